@@ -1,0 +1,254 @@
+"""Named shared-memory objects: segments and semaphores of one pipeline run.
+
+Every object is named ``<prefix>-<run id>-<what>``. The prefix is letters, digits
+and underscores (no dash), the run id eight hex digits, so a name parses one way
+and ``sweep(prefix)`` can never take another prefix's objects. Each run holds an
+exclusive ``flock`` on its ``<prefix>-<run id>-lock`` segment for as long as it
+lives; the kernel drops that lock when the process dies, however it dies, and
+``sweep`` removes only runs whose lock nobody holds.
+
+Segments are created with mode 0600 and their whole size reserved with
+``posix_fallocate``, so a full /dev/shm fails here with a readable error instead
+of SIGBUS at first touch. Nothing is registered with Python's resource tracker:
+the supervisor owns cleanup, and a tracker in a dying child would unlink
+segments that other stages still use.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import re
+import secrets
+import shutil
+
+import posix_ipc
+
+SHM_DIR = "/dev/shm"
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_]{1,32}$")
+_WHAT_RE = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
+_RUN_RE = re.compile(r"^[0-9a-f]{8}$")
+
+
+class ShmError(RuntimeError):
+    """A shared-memory object could not be created or opened."""
+
+
+class ShmFullError(ShmError):
+    """/dev/shm has too little room for a segment."""
+
+    def __init__(self, name: str, needed: int, free: int):
+        super().__init__(
+            f"/dev/shm cannot hold segment {name!r}: it needs {needed} bytes "
+            f"({needed / 2**20:.1f} MiB) and {free} bytes ({free / 2**20:.1f} MiB) are free; "
+            f"enlarge /dev/shm (e.g. docker --shm-size) or shrink the arenas"
+        )
+        self.needed = needed
+        self.free = free
+
+
+def check_prefix(prefix: str) -> str:
+    if not _PREFIX_RE.match(prefix or ""):
+        raise ValueError(
+            f"shm prefix {prefix!r} must be 1-32 letters, digits or underscores"
+        )
+    return prefix
+
+
+def new_run_id() -> str:
+    return secrets.token_hex(4)
+
+
+def object_name(prefix: str, run_id: str, what: str) -> str:
+    check_prefix(prefix)
+    if not _RUN_RE.match(run_id):
+        raise ValueError(f"run id {run_id!r} must be 8 hex digits")
+    if not _WHAT_RE.match(what):
+        raise ValueError(f"object name part {what!r} must be letters, digits, '_' or '.'")
+    return f"{prefix}-{run_id}-{what}"
+
+
+def parse_name(entry: str) -> tuple[str, str, str] | None:
+    """(prefix, run id, what) of a /dev/shm entry of ours (segment or 'sem.'), else None."""
+    if entry.startswith("sem."):
+        entry = entry[4:]
+    parts = entry.split("-", 2)
+    if len(parts) != 3:
+        return None
+    prefix, run_id, what = parts
+    if _PREFIX_RE.match(prefix) and _RUN_RE.match(run_id) and _WHAT_RE.match(what):
+        return prefix, run_id, what
+    return None
+
+
+def shm_free_bytes() -> int:
+    return shutil.disk_usage(SHM_DIR).free
+
+
+class Segment:
+    """A mapped POSIX shared-memory segment. ``buf`` is a writable memoryview."""
+
+    def __init__(self, name: str, fd: int, size: int, owner: bool):
+        self.name = name
+        self.size = size
+        self.owner = owner
+        self._fd = fd
+        self._mmap = mmap.mmap(fd, size) if size else None
+        self.buf = memoryview(self._mmap) if size else memoryview(b"")
+
+    @classmethod
+    def create(cls, name: str, size: int) -> "Segment":
+        if size < 0:
+            raise ValueError("segment size must be >= 0")
+        try:
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise ShmError(f"shared-memory segment {name!r} already exists") from None
+        try:
+            os.fchmod(fd, 0o600)  # the umask cannot widen it, but make the mode exact
+            if size:
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    if e.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+                        raise ShmFullError(name, size, shm_free_bytes()) from None
+                    raise
+            return cls(name, fd, size, owner=True)
+        except BaseException:
+            os.close(fd)
+            _unlink_quiet(os.path.join(SHM_DIR, name))
+            raise
+
+    @classmethod
+    def attach(cls, name: str) -> "Segment":
+        try:
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        except FileNotFoundError:
+            raise ShmError(f"shared-memory segment {name!r} does not exist") from None
+        try:
+            size = os.fstat(fd).st_size
+            return cls(name, fd, size, owner=False)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        self.buf.release()
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                # Someone still holds a view (a numpy array over it); the mapping
+                # goes when they do. The fd is ours to close either way.
+                pass
+        os.close(self._fd)
+        self._fd = -1
+
+    def unlink(self) -> None:
+        _unlink_quiet(os.path.join(SHM_DIR, self.name))
+
+
+def create_semaphore(name: str) -> posix_ipc.Semaphore:
+    try:
+        return posix_ipc.Semaphore("/" + name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
+    except posix_ipc.ExistentialError:
+        raise ShmError(f"semaphore {name!r} already exists") from None
+
+
+def open_semaphore(name: str) -> posix_ipc.Semaphore:
+    try:
+        return posix_ipc.Semaphore("/" + name)
+    except posix_ipc.ExistentialError:
+        raise ShmError(f"semaphore {name!r} does not exist") from None
+
+
+def unlink_semaphore(name: str) -> None:
+    try:
+        posix_ipc.unlink_semaphore("/" + name)
+    except posix_ipc.ExistentialError:
+        pass
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class RunLock:
+    """Marks a run as alive: an exclusive flock on ``<prefix>-<run id>-lock``.
+
+    The kernel releases it when the holder dies, so ``sweep`` can tell a live run
+    from a dead one without trusting pids.
+    """
+
+    def __init__(self, prefix: str, run_id: str | None = None):
+        self.prefix = check_prefix(prefix)
+        self.run_id = run_id or new_run_id()
+        self.name = object_name(prefix, self.run_id, "lock")
+        path = os.path.join(SHM_DIR, self.name)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def release(self) -> None:
+        """Give up the lock and remove its file (after the run's objects are gone)."""
+        if self._fd < 0:
+            return
+        _unlink_quiet(os.path.join(SHM_DIR, self.name))
+        os.close(self._fd)
+        self._fd = -1
+
+
+def _run_alive(prefix: str, run_id: str) -> bool:
+    path = os.path.join(SHM_DIR, f"{prefix}-{run_id}-lock")
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def list_objects(prefix: str, run_id: str | None = None) -> list[str]:
+    """The /dev/shm entries (as listed there) that belong to ``prefix`` (and run)."""
+    check_prefix(prefix)
+    out = []
+    for entry in os.listdir(SHM_DIR):
+        parsed = parse_name(entry)
+        if parsed and parsed[0] == prefix and (run_id is None or parsed[1] == run_id):
+            out.append(entry)
+    return sorted(out)
+
+
+def sweep(prefix: str, run_id: str | None = None, *, include_live: bool = False) -> list[str]:
+    """Remove what dead runs of ``prefix`` left in /dev/shm; return the entries removed.
+
+    A run whose lock is still held by a live process is left alone unless
+    ``include_live`` (a run cleaning up after itself). Names of any other prefix,
+    and names that do not parse as ours, are never touched.
+    """
+    removed = []
+    runs: dict[str, list[str]] = {}
+    for entry in list_objects(prefix, run_id):
+        runs.setdefault(parse_name(entry)[1], []).append(entry)
+    for rid, entries in runs.items():
+        if not include_live and _run_alive(prefix, rid):
+            continue
+        # The lock last, so a concurrent sweeper never sees a lockless live-looking run.
+        entries.sort(key=lambda e: e.endswith("-lock"))
+        for entry in entries:
+            _unlink_quiet(os.path.join(SHM_DIR, entry))
+            removed.append(entry)
+    return removed

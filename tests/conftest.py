@@ -1,0 +1,47 @@
+"""Shared test fixtures: every test gets its own shm prefix and must leave /dev/shm clean."""
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from ipc import shm
+
+settings.register_profile(
+    "ci", deadline=None, max_examples=50, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+_counter = itertools.count()
+
+
+def _shm_entries() -> set[str]:
+    return set(os.listdir(shm.SHM_DIR))
+
+
+@pytest.fixture
+def shm_prefix():
+    """A prefix no other test (or xdist worker) uses; the test must leave nothing under it."""
+    prefix = f"t{os.getpid()}_{next(_counter)}"
+    yield prefix
+    left = shm.list_objects(prefix)
+    shm.sweep(prefix, include_live=True)
+    assert not left, f"test left shared-memory objects behind: {left}"
+
+
+def pytest_sessionstart(session):
+    session.config._shm_before = _shm_entries()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # Under xdist this runs in each worker and in the controller; the controller's
+    # check, after all workers have exited, is the one that sees every test.
+    if hasattr(session.config, "workerinput"):
+        return
+    new = sorted(_shm_entries() - session.config._shm_before)
+    if new:
+        print(f"\n/dev/shm holds new entries after the test session: {new}")
+        session.exitstatus = 1
