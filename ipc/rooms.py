@@ -1,0 +1,529 @@
+"""Fixed-capacity table of rooms in shared memory: state, owner and items of each live room.
+
+Any process reads it without locking; writers serialise on one table-wide lock
+(``SegmentLock``: a ``flock`` the kernel drops when its holder dies). An update
+holds it for a few microseconds; a flock pair costs ~1 us here against ~1.5 us for
+a per-entry ``lockf`` byte range, and one lock lets ``insert`` check for a duplicate
+room and claim a FREE slot atomically.
+
+Torn updates. Each entry has a u32 sequence number and two copies of its
+record; copy ``seq & 1`` is the active one. A writer (lock held) writes the whole
+new record into the *inactive* copy, body first and its crc32 last, and only then
+publishes it with one aligned 4-byte store of ``seq + 1``. So:
+
+* a writer killed at any point leaves ``seq`` unchanged and the active copy
+  untouched: the update simply did not happen;
+* a reader reads ``seq``, the active copy, then ``seq`` again: if it changed, a
+  writer published meanwhile and the reader retries; if not, no writer can have
+  touched that copy (it writes only the other one until it publishes), so the
+  copy is whole. Its crc32 (and its stored sequence number) are checked besides;
+  a mismatch with a stable ``seq`` is damage, not a race, and the entry is
+  repaired under the lock: a live room whose record is lost is concluded FAILED.
+
+Records carry ``time.monotonic()`` stamps (system-wide on Linux, so comparable
+across processes). Contiguous columns hold each copy's room, state and owner,
+written with the copy before it is published, so ``find``/``owned_by``/``insert``
+scan them with numpy (both copies) and then verify the few candidates' records.
+``room`` is a signed 64-bit id; ``request_id`` (128 UTF-8 bytes)
+and ``reason`` (256) are cut with '…' when longer.
+"""
+from __future__ import annotations
+
+import enum
+import struct
+import time
+import zlib
+from dataclasses import dataclass
+from operator import index as _index
+
+import numpy as np
+
+from . import shm
+from .arena import SegmentLock
+
+__all__ = ["RoomEntry", "RoomState", "RoomTable", "TableFull"]
+
+
+class RoomState(enum.IntEnum):
+    FREE = 0
+    BOOTSTRAPPING = 1
+    QUEUED = 2
+    ENCODING = 3
+    TRANSFERRING = 4
+    SUCCESS = 5
+    FAILED = 6
+
+
+_FINAL = (RoomState.SUCCESS, RoomState.FAILED)
+
+
+class TableFull(RuntimeError):
+    """No FREE slot left in the room table."""
+
+
+@dataclass(frozen=True)
+class RoomEntry:
+    slot: int
+    room: int
+    request_id: str
+    state: RoomState
+    owner: int
+    items_total: int
+    items_done: int
+    reason: str
+    deadline: float
+    created: float
+    concluded: float
+
+    @property
+    def live(self) -> bool:
+        return RoomState.FREE < self.state < RoomState.SUCCESS
+
+
+REQUEST_ID_BYTES = 128
+REASON_BYTES = 256
+_MAGIC = 0x6D6F_6F72_0000_0001  # "room", layout 1
+# record: crc32 over the rest, then the body
+_BODY = struct.Struct(f"<IqBBHiIIddd{REQUEST_ID_BYTES}s{REASON_BYTES}s")
+_REC = 4 + _BODY.size  # 440
+_HDR = 64
+
+
+def _layout(capacity: int) -> dict[str, int]:
+    """Segment layout: header, seq u32[cap], columns room i64 / owner i32 / state u8 [cap, 2],
+    records [cap, 2] of _REC bytes."""
+    off, pos = {}, _HDR
+    for name, nbytes in (("seq", 4 * capacity), ("room", 16 * capacity), ("owner", 8 * capacity),
+                         ("state", 2 * capacity), ("rec", 2 * _REC * capacity)):
+        pos = (pos + 63) // 64 * 64
+        off[name] = pos
+        pos += nbytes
+    off["total"] = pos
+    return off
+
+
+# body field indices (after ver)
+_ROOM, _STATE, _RIDLEN, _REASONLEN, _OWNER, _TOTAL, _DONE, _DEADLINE, _CREATED, _CONCLUDED, _RID, _REASON = range(12)
+_I64 = (-(2**63), 2**63 - 1)
+_I32 = (-(2**31), 2**31 - 1)
+_U32_MAX = 2**32 - 1
+_FREE_FIELDS = (0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0, b"", b"")
+_READ_SPINS = 64
+_STATES = tuple(RoomState)
+_new_entry = object.__new__
+
+# Test hook: called with a point name inside a write (tests SIGKILL the process there).
+_fault_hook = None
+
+
+def _cut(text: str, limit: int) -> bytes:
+    b = text.encode("utf-8")
+    if len(b) <= limit:
+        return b
+    return b[:limit - 3].decode("utf-8", "ignore").encode("utf-8") + "…".encode("utf-8")
+
+
+def _slots(copy_mask: np.ndarray) -> list[int]:
+    """Slots (in order, once each) of the set entries of a flat [slot, copy] mask."""
+    idx = np.flatnonzero(copy_mask)
+    if idx.size == 0:
+        return []
+    return list(dict.fromkeys((idx >> 1).tolist()))
+
+
+def _check_range(name: str, v, lo: int, hi: int) -> int:
+    v = _index(v)
+    if not lo <= v <= hi:
+        raise ValueError(f"{name} {v} out of range {lo}..{hi}")
+    return v
+
+
+class RoomTable:
+    """Rooms in shared memory: readable lock-free by any process, updated under a lock."""
+
+    @classmethod
+    def create(cls, prefix: str, run_id: str, what: str, capacity: int) -> "RoomTable":
+        capacity = _index(capacity)
+        if not 1 <= capacity <= 2**20:
+            raise ValueError(f"room table capacity {capacity} must be 1..2**20")
+        lay = _layout(capacity)
+        seg = shm.Segment.create(shm.object_name(prefix, run_id, what), lay["total"])
+        try:
+            # Zeroed by posix_fallocate: seq 0, columns FREE. Records: both copies FREE
+            # and valid (copy 1 as the version before seq 0).
+            pair = bytearray(2 * _REC)
+            for copy, ver in ((0, 0), (1, _U32_MAX)):
+                body = _BODY.pack(ver, *_FREE_FIELDS)
+                pair[copy * _REC:copy * _REC + 4] = zlib.crc32(body).to_bytes(4, "little")
+                pair[copy * _REC + 4:(copy + 1) * _REC] = body
+            seg.buf[lay["rec"]:lay["rec"] + 2 * _REC * capacity] = bytes(pair) * capacity
+            hdr = seg.buf[:_HDR].cast("Q")
+            hdr[1], hdr[2], hdr[3] = capacity, _REC, lay["total"]
+            hdr[0] = _MAGIC  # last: attach refuses a half-made table
+            hdr.release()
+            return cls(seg)
+        except BaseException:
+            seg.close()
+            seg.unlink()
+            raise
+
+    @classmethod
+    def attach(cls, prefix: str, run_id: str, what: str) -> "RoomTable":
+        seg = shm.Segment.attach(shm.object_name(prefix, run_id, what))
+        try:
+            return cls(seg)
+        except BaseException:
+            seg.close()
+            raise
+
+    def __init__(self, seg: shm.Segment):
+        self._seg = seg
+        if seg.size < _HDR:
+            raise shm.ShmError(f"{seg.name!r} is too small to be a room table")
+        hdr = seg.buf[:_HDR].cast("Q")
+        magic, capacity, rec, total = hdr[0], hdr[1], hdr[2], hdr[3]
+        hdr.release()
+        if magic != _MAGIC or rec != _REC or not 1 <= capacity <= 2**20 or total != _layout(capacity)["total"]:
+            raise shm.ShmError(f"{seg.name!r} is not an initialised room table (bad magic or layout)")
+        if seg.size < total:
+            raise shm.ShmError(f"room table {seg.name!r} is smaller than its header says")
+        cap = self.capacity = int(capacity)
+        lay = self._lay = _layout(cap)
+        mv = self._mv = seg.buf
+        mm = seg.buf.obj
+        self._hdr = mv[:_HDR].cast("Q")
+        self._seqv = mv[lay["seq"]:lay["seq"] + 4 * cap].cast("I")
+        self._roomv = mv[lay["room"]:lay["room"] + 16 * cap].cast("q")
+        self._ownerv = mv[lay["owner"]:lay["owner"] + 8 * cap].cast("i")
+        self._statev = mv[lay["state"]:lay["state"] + 2 * cap]
+        self._rec0 = lay["rec"]
+        self._seq = np.frombuffer(mm, np.uint32, cap, lay["seq"])
+        self._rooms = np.frombuffer(mm, np.int64, 2 * cap, lay["room"]).reshape(cap, 2)
+        self._owners = np.frombuffer(mm, np.int32, 2 * cap, lay["owner"]).reshape(cap, 2)
+        self._states = np.frombuffer(mm, np.uint8, 2 * cap, lay["state"]).reshape(cap, 2)
+        self._lock = SegmentLock(seg)
+        self._closed = False
+
+    # -- raw records ---------------------------------------------------------
+
+    def _slot_index(self, slot) -> int:
+        slot = _index(slot)
+        if not 0 <= slot < self.capacity:
+            raise IndexError(f"room table slot {slot} out of range 0..{self.capacity - 1}")
+        return slot
+
+    def _load(self, slot: int):
+        """(seq, body fields or None if damaged); lock-free, retries past writers."""
+        base = self._rec0 + slot * 2 * _REC
+        seqv, mv = self._seqv, self._mv
+        for _ in range(_READ_SPINS):
+            s = seqv[slot]
+            off = base + (s & 1) * _REC
+            raw = mv[off:off + _REC].tobytes()
+            if seqv[slot] == s:
+                return s, self._verify(raw, s)
+        # Writers kept publishing under us: read under their lock.
+        self._lock.acquire()
+        try:
+            return self._load_locked(slot)
+        finally:
+            self._lock.release()
+
+    def _load_locked(self, slot: int):
+        s = self._seqv[slot]
+        off = self._rec0 + slot * 2 * _REC + (s & 1) * _REC
+        return s, self._verify(self._mv[off:off + _REC].tobytes(), s)
+
+    @staticmethod
+    def _verify(raw: bytes, seq: int):
+        if zlib.crc32(memoryview(raw)[4:]) != int.from_bytes(raw[:4], "little"):
+            return None
+        f = _BODY.unpack_from(raw, 4)
+        if f[0] != seq or f[1 + _STATE] > RoomState.FAILED or f[1 + _RIDLEN] > REQUEST_ID_BYTES \
+                or f[1 + _REASONLEN] > REASON_BYTES:
+            return None
+        return f[1:]
+
+    def _store(self, slot: int, seq: int, fields) -> None:
+        """Lock held: write ``fields`` into the inactive copy, then publish it."""
+        new = (seq + 1) & _U32_MAX
+        c = 2 * slot + (new & 1)
+        off = self._rec0 + c * _REC
+        body = _BODY.pack(new, *fields)
+        mv = self._mv
+        # The inactive copy's index columns first (hints, verified against records) ...
+        self._roomv[c] = fields[_ROOM]
+        self._ownerv[c] = fields[_OWNER]
+        self._statev[c] = fields[_STATE]
+        # ... then its record, body before crc ...
+        mv[off + 4:off + _REC] = body
+        if _fault_hook is not None:
+            _fault_hook("rooms.body")
+        mv[off:off + 4] = zlib.crc32(body).to_bytes(4, "little")
+        if _fault_hook is not None:
+            _fault_hook("rooms.crc")
+        self._seqv[slot] = new  # ... and publish: one aligned 4-byte store
+
+    def _current(self, slot: int):
+        """Lock held: (seq, fields) of the entry, repairing a damaged one first."""
+        s, f = self._load_locked(slot)
+        if f is None:
+            s, f = self._repair(slot, s)
+        return s, f
+
+    def _repair(self, slot: int, seq: int):
+        """Lock held, active copy damaged: salvage the other copy or conclude the entry."""
+        off = self._rec0 + (2 * slot + ((seq & 1) ^ 1)) * _REC
+        raw = self._mv[off:off + _REC].tobytes()
+        other = self._verify(raw, _BODY.unpack_from(raw, 4)[0])
+        if other is None:
+            fields = _FREE_FIELDS
+        else:
+            fields = list(other)
+            if 0 < fields[_STATE] < RoomState.SUCCESS:
+                reason = _cut("room table entry was damaged; concluded by repair", REASON_BYTES)
+                fields[_STATE], fields[_CONCLUDED] = int(RoomState.FAILED), time.monotonic()
+                fields[_REASON], fields[_REASONLEN] = reason, len(reason)
+            fields = tuple(fields)
+        self._store(slot, seq, fields)
+        self._hdr[4] += 1
+        return (seq + 1) & _U32_MAX, fields
+
+    @staticmethod
+    def _entry(slot: int, f) -> RoomEntry:
+        # Filled through __dict__: a frozen dataclass's __init__ costs ~2 us here.
+        e = _new_entry(RoomEntry)
+        e.__dict__.update(
+            slot=slot, room=f[_ROOM], request_id=f[_RID][:f[_RIDLEN]].decode("utf-8", "replace"),
+            state=_STATES[f[_STATE]], owner=f[_OWNER], items_total=f[_TOTAL], items_done=f[_DONE],
+            reason=f[_REASON][:f[_REASONLEN]].decode("utf-8", "replace"),
+            deadline=f[_DEADLINE], created=f[_CREATED], concluded=f[_CONCLUDED],
+        )
+        return e
+
+    def _update(self, slot, room, change):
+        """Under the lock: ``change(fields)`` -> new fields list, or a result to return as is."""
+        slot = self._slot_index(slot)
+        self._lock.acquire()
+        try:
+            s, f = self._current(slot)
+            if f[_STATE] == RoomState.FREE or f[_ROOM] != room:
+                return None
+            new = change(list(f))
+            if isinstance(new, list):
+                self._store(slot, s, new)
+                return True
+            return new
+        finally:
+            self._lock.release()
+
+    # -- reads -----------------------------------------------------------------
+
+    def get(self, slot: int) -> RoomEntry | None:
+        """The entry in ``slot``, None if FREE."""
+        slot = self._slot_index(slot)
+        s, f = self._load(slot)
+        if f is None:
+            self._lock.acquire()
+            try:
+                s, f = self._current(slot)
+            finally:
+                self._lock.release()
+        if f[_STATE] == RoomState.FREE:
+            return None
+        return self._entry(slot, f)
+
+    def find(self, room: int) -> int | None:
+        """Slot of the non-FREE entry for ``room``, or None."""
+        room = _index(room)
+        if not _I64[0] <= room <= _I64[1]:
+            return None
+        for slot in self._room_candidates(room):
+            e = self.get(slot)
+            if e is not None and e.room == room:
+                return slot
+        return None
+
+    def entries(self) -> list[RoomEntry]:
+        """Every non-FREE entry, by slot."""
+        return [e for e in map(self.get, _slots(self._states.ravel() != 0)) if e is not None]
+
+    def owned_by(self, owner: int) -> list[RoomEntry]:
+        """Live (not concluded) entries whose owner is ``owner``, by slot."""
+        owner = _index(owner)
+        if not _I32[0] <= owner <= _I32[1]:
+            return []
+        st = self._states.ravel()
+        out = []
+        for slot in _slots((self._owners.ravel() == owner) & (st > 0) & (st < RoomState.SUCCESS)):
+            e = self.get(slot)
+            if e is not None and e.owner == owner and e.live:
+                out.append(e)
+        return out
+
+    def _room_candidates(self, room: int) -> list[int]:
+        """Slots where either copy's column says ``room`` (and not FREE): to be verified."""
+        hit = self._rooms.ravel() == room
+        if room == 0:  # FREE records hold room 0
+            hit &= self._states.ravel() != 0
+        return _slots(hit)
+
+    def _active_states(self) -> np.ndarray:
+        st = self._states
+        return np.where(self._seq & 1, st[:, 1], st[:, 0])
+
+    # -- writes ----------------------------------------------------------------
+
+    def insert(self, room: int, request_id: str, items_total: int, owner: int,
+               deadline: float = 0.0, state: RoomState = RoomState.BOOTSTRAPPING) -> int:
+        """Record a new room; return its slot. TableFull when no slot is FREE.
+
+        ValueError if a non-FREE entry (live or tombstone) already has this room id.
+        """
+        room = _check_range("room", room, *_I64)
+        items_total = _check_range("items_total", items_total, 0, _U32_MAX)
+        owner = _check_range("owner", owner, *_I32)
+        state = RoomState(state)
+        if state == RoomState.FREE:
+            raise ValueError("a room cannot be inserted FREE")
+        rid = _cut(str(request_id), REQUEST_ID_BYTES)
+        now = time.monotonic()
+        fields = [room, int(state), len(rid), 0, owner, items_total, 0, float(deadline), now,
+                  now if state in _FINAL else 0.0, rid, b""]
+        self._lock.acquire()
+        try:
+            dup = self._find_locked(room)
+            if dup is not None:
+                raise ValueError(f"room {room} is already in the table (slot {dup})")
+            for slot in np.flatnonzero(self._active_states() == 0):
+                s, f = self._current(int(slot))
+                if f[_STATE] == RoomState.FREE:  # the column is a hint; the record decides
+                    self._store(int(slot), s, fields)
+                    return int(slot)
+            raise TableFull(
+                f"room table {self._seg.name!r} is full: all {self.capacity} slots hold rooms "
+                f"(live or concluded tombstones not yet freed); cannot record room {room} "
+                f"(request {request_id!r})"
+            )
+        finally:
+            self._lock.release()
+
+    def _find_locked(self, room: int) -> int | None:
+        for slot in self._room_candidates(room):
+            _, f = self._current(slot)
+            if f[_STATE] != RoomState.FREE and f[_ROOM] == room:
+                return slot
+        return None
+
+    def advance(self, slot: int, room: int, state: RoomState, owner: int | None = None) -> bool:
+        """Move a live room forward to ``state`` (skipping states is fine); False if not forward,
+        already concluded, or ``slot`` no longer holds ``room``."""
+        state = RoomState(state)
+        if owner is not None:
+            owner = _check_range("owner", owner, *_I32)
+
+        def change(f):
+            cur = f[_STATE]
+            if cur >= RoomState.SUCCESS or state <= cur:
+                return False
+            f[_STATE] = int(state)
+            if owner is not None:
+                f[_OWNER] = owner
+            if state in _FINAL:
+                f[_CONCLUDED] = time.monotonic()
+            return f
+
+        return bool(self._update(slot, room, change))
+
+    def set_owner(self, slot: int, room: int, owner: int) -> bool:
+        """Give a live room to ``owner``; False if concluded or ``slot`` no longer holds ``room``."""
+        owner = _check_range("owner", owner, *_I32)
+
+        def change(f):
+            if f[_STATE] >= RoomState.SUCCESS:
+                return False
+            if f[_OWNER] == owner:
+                return True
+            f[_OWNER] = owner
+            return f
+
+        return bool(self._update(slot, room, change))
+
+    def item_done(self, slot: int, room: int) -> int:
+        """Count one more item done; return the count (-1 if ``slot`` no longer holds ``room``).
+
+        A concluded room is final: its count is returned unchanged.
+        """
+        done = []
+
+        def change(f):
+            if f[_STATE] >= RoomState.SUCCESS or f[_DONE] >= _U32_MAX:
+                return f[_DONE]
+            f[_DONE] += 1
+            done.append(f[_DONE])
+            return f
+
+        r = self._update(slot, room, change)
+        if r is None:
+            return -1
+        return done[0] if r is True else r
+
+    def _conclude(self, slot, room, state: RoomState, reason: str) -> bool:
+        rb = _cut(str(reason), REASON_BYTES)
+
+        def change(f):
+            if f[_STATE] >= RoomState.SUCCESS:
+                return False
+            f[_STATE], f[_CONCLUDED] = int(state), time.monotonic()
+            f[_REASON], f[_REASONLEN] = rb, len(rb)
+            return f
+
+        return bool(self._update(slot, room, change))
+
+    def fail(self, slot: int, room: int, reason: str) -> bool:
+        """Conclude a live room FAILED with ``reason``; False if already concluded or not there."""
+        return self._conclude(slot, room, RoomState.FAILED, reason)
+
+    def succeed(self, slot: int, room: int) -> bool:
+        """Conclude a live room SUCCESS; False if already concluded or not there."""
+        return self._conclude(slot, room, RoomState.SUCCESS, "")
+
+    def free(self, slot: int, room: int) -> bool:
+        """Return a concluded entry (an expired tombstone) to FREE; False for a live one or not there."""
+
+        def change(f):
+            if f[_STATE] < RoomState.SUCCESS:
+                return False
+            return list(_FREE_FIELDS)
+
+        return bool(self._update(slot, room, change))
+
+    @property
+    def repairs(self) -> int:
+        """How many damaged entries were repaired (should stay 0: a killed writer damages nothing)."""
+        return self._hdr[4]
+
+    # -- teardown ----------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._lock.close()
+        for v in (self._hdr, self._seqv, self._roomv, self._ownerv, self._statev):
+            v.release()
+        self._seq = self._rooms = self._states = self._owners = None
+        self._hdr = self._seqv = self._roomv = self._ownerv = self._statev = self._mv = None
+        self._seg.close()
+
+    def unlink(self) -> None:
+        self._seg.unlink()
+
+    def __enter__(self) -> "RoomTable":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RoomTable({self._seg.name!r}, capacity={self.capacity})"

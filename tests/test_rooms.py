@@ -1,0 +1,456 @@
+"""ipc.rooms: the room table in shared memory, its state rules and torn-update safety."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+import traceback
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
+    run_state_machine_as_test
+
+from ipc import rooms as rooms_mod
+from ipc import shm
+from ipc.rooms import RoomEntry, RoomState, RoomTable, TableFull
+
+S = RoomState
+LIVE = (S.BOOTSTRAPPING, S.QUEUED, S.ENCODING, S.TRANSFERRING)
+FINAL = (S.SUCCESS, S.FAILED)
+
+
+def _fork(fn, *args) -> int:
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        code = 1
+        try:
+            fn(*args)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    return pid
+
+
+def _wait(pid: int) -> int:
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+@pytest.fixture
+def make_table(shm_prefix):
+    made = []
+
+    def make(capacity=8, what="rooms"):
+        run_id = shm.new_run_id()
+        t = RoomTable.create(shm_prefix, run_id, what, capacity)
+        t.run_id = run_id
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.close()
+        t.unlink()
+
+
+# -- basics ----------------------------------------------------------------------------
+
+
+def test_lifecycle_and_attach(make_table, shm_prefix):
+    t = make_table(4)
+    before = time.monotonic()
+    slot = t.insert(2**63 - 1, "req-1", 3, owner=1, deadline=before + 5)
+    e = t.get(slot)
+    assert (e.room, e.request_id, e.state, e.owner, e.items_total, e.items_done, e.reason) == \
+        (2**63 - 1, "req-1", S.BOOTSTRAPPING, 1, 3, 0, "")
+    assert e.deadline == before + 5 and before <= e.created <= time.monotonic() and e.concluded == 0.0
+    other = RoomTable.attach(shm_prefix, t.run_id, "rooms")
+    try:
+        assert other.capacity == 4 and other.get(slot) == e and other.find(2**63 - 1) == slot
+        assert other.advance(slot, 2**63 - 1, S.ENCODING, owner=4)  # skipping QUEUED is fine
+        assert not t.advance(slot, 2**63 - 1, S.QUEUED)  # backwards
+        assert not t.advance(slot, 2**63 - 1, S.ENCODING)  # not forward either
+        assert not t.advance(slot, 12, S.TRANSFERRING)  # not this room
+        assert t.item_done(slot, 2**63 - 1) == 1 and t.item_done(slot, 12) == -1
+        assert [x.slot for x in other.owned_by(4)] == [slot] and other.owned_by(1) == []
+        assert not t.free(slot, 2**63 - 1)  # live: not yet
+        assert t.fail(slot, 2**63 - 1, "tower died")
+        assert not t.fail(slot, 2**63 - 1, "again") and not t.succeed(slot, 2**63 - 1)
+        assert not t.advance(slot, 2**63 - 1, S.FAILED) and not t.set_owner(slot, 2**63 - 1, 2)
+        assert t.item_done(slot, 2**63 - 1) == 1  # final: unchanged
+        e = other.get(slot)
+        assert e.state == S.FAILED and e.reason == "tower died" and e.concluded >= e.created
+        assert other.owned_by(4) == [] and other.entries() == [e]
+        assert t.free(slot, 2**63 - 1) and not t.free(slot, 2**63 - 1)
+        assert other.get(slot) is None and other.find(2**63 - 1) is None and other.entries() == []
+    finally:
+        other.close()
+
+
+def test_full_table_and_argument_errors(make_table):
+    t = make_table(3)
+    slots = [t.insert(r, f"q{r}", 1, 0) for r in (-5, 0, 7)]
+    assert sorted(slots) == [0, 1, 2]
+    with pytest.raises(TableFull, match=r"all 3 slots .*room 9.*'q9'"):
+        t.insert(9, "q9", 1, 0)
+    with pytest.raises(ValueError, match="already"):
+        t.insert(0, "again", 1, 0)
+    assert t.find(0) == slots[1] and t.find(1) is None and t.find(2**70) is None
+    for bad in (lambda: t.insert(2**63, "x", 1, 0), lambda: t.insert(1, "x", -1, 0),
+                lambda: t.insert(1, "x", 1, 0, state=S.FREE), lambda: t.insert(1, "x", 1, 2**31)):
+        with pytest.raises(ValueError):
+            bad()
+    with pytest.raises(IndexError):
+        t.get(3)
+    assert t.succeed(slots[0], -5) and t.free(slots[0], -5)
+    assert t.insert(9, "q9", 1, 0, state=S.QUEUED) == slots[0]
+
+
+def test_long_strings_are_cut_with_ellipsis(make_table):
+    t = make_table(2)
+    slot = t.insert(1, "é" * 100, 1, 0)  # 200 UTF-8 bytes
+    rid = t.get(slot).request_id
+    assert rid.endswith("…") and len(rid.encode()) <= 128 and rid[:-1] == "é" * len(rid[:-1])
+    t.fail(slot, 1, "x" * 1000)
+    reason = t.get(slot).reason
+    assert reason == "x" * 253 + "…" and len(reason.encode()) == 256
+
+
+def test_damaged_entries_are_repaired_never_read(make_table):
+    t = make_table(3)
+    live = t.insert(10, "q10", 2, 0)
+    t.advance(live, 10, S.ENCODING)  # the other copy holds the BOOTSTRAPPING version
+    done = t.insert(11, "q11", 2, 0)
+    t.succeed(done, 11)
+    gone = t.insert(12, "q12", 2, 0)
+
+    def smash(slot, both=False):
+        base = t._rec0 + slot * 2 * rooms_mod._REC
+        active = t._seqv[slot] & 1
+        for copy in ((0, 1) if both else (active,)):
+            off = base + copy * rooms_mod._REC + 30
+            t._mv[off:off + 4] = b"\xff\xfe\xfd\xfc"
+
+    smash(live)
+    smash(done)
+    smash(gone, both=True)
+    e = t.get(live)  # salvaged from the older copy, and concluded: its record was damaged
+    assert (e.room, e.state, e.request_id) == (10, S.FAILED, "q10") and "damaged" in e.reason
+    e = t.get(done)  # only its live past is left: concluded FAILED, not guessed SUCCESS
+    assert (e.room, e.state) == (11, S.FAILED) and "damaged" in e.reason
+    assert t.get(gone) is None and t.find(12) is None  # nothing left to salvage
+    assert t.repairs == 3
+    assert all(t._load(s)[1] is not None for s in range(3))
+
+
+# -- model-based --------------------------------------------------------------------------
+
+CAP = 4
+ROOMS = st.sampled_from([0, 1, 2, 3, 4, 5, -(2**63), 2**63 - 1])
+OWNERS = st.integers(0, 3)
+TEXT = st.text(max_size=150)
+
+
+class RoomMachine(RuleBasedStateMachine):
+    """The table against a model: slot -> fields (timestamps checked separately)."""
+
+    def __init__(self, prefix):
+        super().__init__()
+        self.prefix = prefix
+        self.t = None
+        self.model: dict[int, dict] = {}
+
+    @initialize()
+    def make(self):
+        self.t = RoomTable.create(self.prefix, shm.new_run_id(), "sm", CAP)
+
+    def _slot_room(self, data_slot, room, use_model):
+        if use_model and self.model:
+            slot = sorted(self.model)[data_slot % len(self.model)]
+            return slot, self.model[slot]["room"]
+        return data_slot % CAP, room
+
+    def _holds(self, slot, room):
+        m = self.model.get(slot)
+        return m is not None and m["room"] == room
+
+    @rule(room=ROOMS, rid=TEXT, total=st.integers(0, 2**32 - 1), owner=OWNERS,
+          deadline=st.floats(0, 1e9), state=st.sampled_from(LIVE + FINAL))
+    def insert(self, room, rid, total, owner, deadline, state):
+        if any(m["room"] == room for m in self.model.values()):
+            with pytest.raises(ValueError):
+                self.t.insert(room, rid, total, owner, deadline, state)
+            return
+        if len(self.model) == CAP:
+            with pytest.raises(TableFull):
+                self.t.insert(room, rid, total, owner, deadline, state)
+            return
+        slot = self.t.insert(room, rid, total, owner, deadline, state)
+        assert slot not in self.model and 0 <= slot < CAP
+        cut = rooms_mod._cut(rid, 128).decode()
+        self.model[slot] = dict(room=room, request_id=cut, state=state, owner=owner, items_total=total,
+                                items_done=0, reason="", deadline=deadline)
+
+    @rule(i=st.integers(0, CAP - 1), room=ROOMS, use_model=st.booleans(),
+          state=st.sampled_from(list(S)), owner=st.none() | OWNERS)
+    def advance(self, i, room, use_model, state, owner):
+        slot, room = self._slot_room(i, room, use_model)
+        m = self.model.get(slot)
+        ok = self._holds(slot, room) and m["state"] in LIVE and state > m["state"]
+        assert self.t.advance(slot, room, state, owner) == ok
+        if ok:
+            m["state"] = state
+            if owner is not None:
+                m["owner"] = owner
+
+    @rule(i=st.integers(0, CAP - 1), room=ROOMS, use_model=st.booleans(), owner=OWNERS)
+    def set_owner(self, i, room, use_model, owner):
+        slot, room = self._slot_room(i, room, use_model)
+        ok = self._holds(slot, room) and self.model[slot]["state"] in LIVE
+        assert self.t.set_owner(slot, room, owner) == ok
+        if ok:
+            self.model[slot]["owner"] = owner
+
+    @rule(i=st.integers(0, CAP - 1), room=ROOMS, use_model=st.booleans())
+    def item_done(self, i, room, use_model):
+        slot, room = self._slot_room(i, room, use_model)
+        if not self._holds(slot, room):
+            assert self.t.item_done(slot, room) == -1
+            return
+        m = self.model[slot]
+        if m["state"] in LIVE:
+            m["items_done"] += 1
+        assert self.t.item_done(slot, room) == m["items_done"]
+
+    @rule(i=st.integers(0, CAP - 1), room=ROOMS, use_model=st.booleans(), reason=TEXT,
+          success=st.booleans())
+    def conclude(self, i, room, use_model, reason, success):
+        slot, room = self._slot_room(i, room, use_model)
+        ok = self._holds(slot, room) and self.model[slot]["state"] in LIVE
+        got = self.t.succeed(slot, room) if success else self.t.fail(slot, room, reason)
+        assert got == ok
+        if ok:
+            m = self.model[slot]
+            m["state"] = S.SUCCESS if success else S.FAILED
+            m["reason"] = "" if success else rooms_mod._cut(reason, 256).decode()
+
+    @rule(i=st.integers(0, CAP - 1), room=ROOMS, use_model=st.booleans())
+    def free(self, i, room, use_model):
+        slot, room = self._slot_room(i, room, use_model)
+        ok = self._holds(slot, room) and self.model[slot]["state"] in FINAL
+        assert self.t.free(slot, room) == ok
+        if ok:
+            del self.model[slot]
+
+    @precondition(lambda self: self.t is not None)
+    @invariant()
+    def agrees_with_model(self):
+        t = self.t
+        for slot in range(CAP):
+            e = t.get(slot)
+            m = self.model.get(slot)
+            if m is None:
+                assert e is None
+                continue
+            assert isinstance(e, RoomEntry) and e.slot == slot
+            assert {k: getattr(e, k) for k in m} == m
+            assert e.created > 0 and (e.concluded >= e.created) == (e.state in FINAL)
+            assert (e.concluded == 0.0) == (e.state not in FINAL)
+            assert t.find(m["room"]) == slot
+        for room in (0, 1, 2, 3, 4, 5, -(2**63), 2**63 - 1, 99):
+            if not any(m["room"] == room for m in self.model.values()):
+                assert t.find(room) is None
+        assert [e.slot for e in t.entries()] == sorted(self.model)
+        for owner in range(4):
+            want = sorted(s for s, m in self.model.items() if m["owner"] == owner and m["state"] in LIVE)
+            assert [e.slot for e in t.owned_by(owner)] == want
+        assert t.repairs == 0
+
+    def teardown(self):
+        if self.t is not None:
+            self.t.close()
+            self.t.unlink()
+
+
+def test_room_state_machine(shm_prefix):
+    run_state_machine_as_test(lambda: RoomMachine(shm_prefix))
+
+
+# -- a writer killed mid-update ------------------------------------------------------------
+
+KCAP = 6
+KROOMS = list(range(100, 100 + 2 * KCAP))
+KILLS = 80
+
+
+def _random_op(t: RoomTable, rng: random.Random) -> None:
+    """One update chosen by ``rng``; what it does depends only on the table's logical state.
+
+    Fields are tied to the room (request id, items_total, reason) so a reader can tell a
+    torn entry from a whole one.
+    """
+    room = rng.choice(KROOMS)
+    kind = rng.random()
+    slot = t.find(room)
+    if slot is None:
+        if kind < 0.7:
+            try:
+                t.insert(room, f"q{room}" * (room % 7 + 1), room % 5 + 1, owner=room % 3,
+                         deadline=float(room))
+            except TableFull:
+                pass
+        return
+    e = t.get(slot)
+    if kind < 0.3:
+        t.advance(slot, room, S(rng.randint(1, 6)), owner=rng.choice([None, 0, 1, 2]))
+    elif kind < 0.5:
+        t.item_done(slot, room)
+    elif kind < 0.6:
+        t.set_owner(slot, room, rng.randint(0, 2))
+    elif kind < 0.7:
+        t.fail(slot, room, f"why{room}:{e.items_done}" * 40)
+    elif kind < 0.8:
+        t.succeed(slot, room)
+    else:
+        t.free(slot, room)
+
+
+def _check_whole(e: RoomEntry) -> None:
+    """The invariants _random_op keeps within one entry."""
+    r = e.room
+    assert r in KROOMS, e
+    assert e.request_id == f"q{r}" * (r % 7 + 1) and e.items_total == r % 5 + 1, e
+    assert e.deadline == float(r), e
+    if e.state == S.FAILED and e.reason:
+        assert e.reason.startswith(f"why{r}:{e.items_done}") and e.reason.endswith("…"), e
+    elif e.reason:
+        assert e.state == S.FAILED, e
+
+
+def _logical(t: RoomTable, check: bool = True):
+    """The table without timestamps; every active record must be whole (crc, seq)."""
+    out = []
+    for slot in range(t.capacity):
+        if check:
+            _, f = t._load(slot)  # lock-free, no repair: a torn record shows as None
+            assert f is not None, f"slot {slot} reads torn"
+        e = t.get(slot)
+        out.append(None if e is None else (e.room, e.request_id, e.state, e.owner, e.items_total,
+                                           e.items_done, e.reason, e.deadline))
+    return out
+
+
+def _inactive(t: RoomTable) -> dict[tuple[int, int], bytes]:
+    """(slot, seq) -> the inactive copy's bytes."""
+    out = {}
+    for slot in range(t.capacity):
+        seq = t._seqv[slot]
+        off = t._rec0 + (2 * slot + ((seq + 1) & 1)) * rooms_mod._REC
+        out[slot, seq] = t._mv[off:off + rooms_mod._REC].tobytes()
+    return out
+
+
+def _unpublished(t: RoomTable, before: dict) -> bool:
+    """Since ``before``, some inactive copy was (partly) rewritten but not published."""
+    return any(raw != before.get(key) and RoomTable._verify(raw, (key[1] - 1) & 0xFFFFFFFF) is None
+               for key, raw in _inactive(t).items())
+
+
+def _writer(prefix, run_id, seed, ready_fd, limit):
+    t = RoomTable.attach(prefix, run_id, "rooms")
+    rng = random.Random(seed)
+    os.write(ready_fd, b"r")
+    for _ in range(limit):
+        _random_op(t, rng)
+    while True:  # done: wait for the kill
+        time.sleep(1)
+
+
+@pytest.mark.timeout(120)
+def test_writer_killed_mid_update_loop(make_table, shm_prefix):
+    """A writer SIGKILLed at random moments: readers never see a torn entry, and afterwards
+    the table is exactly the state before or after the update in flight (found by replaying
+    the writer's seeded updates on a second table)."""
+    seed = int(os.environ.get("ROOMS_KILL_SEED", random.randrange(2**32)))
+    print(f"ROOMS_KILL_SEED={seed}")
+    rng = random.Random(seed)
+    t = make_table(KCAP, "rooms")
+    replica = make_table(KCAP, "replica")
+    limit = 3000
+    r, w = os.pipe()
+    mid_update = replayed = 0
+    try:
+        for k in range(KILLS):
+            child_seed = rng.randrange(2**32)
+            before = _inactive(t)
+            pid = _fork(_writer, shm_prefix, t.run_id, child_seed, w, limit)
+            assert os.read(r, 1) == b"r"
+            end = time.monotonic() + rng.uniform(0, 0.004)
+            while time.monotonic() < end:  # read while it writes
+                for e in t.entries():
+                    _check_whole(e)
+            # Half the kills land anywhere; half are aimed: the writer is frozen (SIGSTOP)
+            # at random moments until it is caught between writing a copy and publishing it.
+            for _ in range(300 if k % 2 else 0):
+                os.kill(pid, signal.SIGSTOP)
+                _, status = os.waitpid(pid, os.WUNTRACED)
+                assert os.WIFSTOPPED(status), "writer ended early"
+                if _unpublished(t, before):
+                    break
+                os.kill(pid, signal.SIGCONT)
+                time.sleep(rng.uniform(0, 0.0003))
+            os.kill(pid, signal.SIGKILL)
+            assert _wait(pid) == -signal.SIGKILL
+            mid_update += _unpublished(t, before)
+            got = _logical(t)
+            for e in t.entries():
+                _check_whole(e)
+            # Replay the same updates until the replica matches.
+            replay = random.Random(child_seed)
+            now, steps = _logical(replica, False), 0
+            while now != got and steps < limit:
+                _random_op(replica, replay)
+                now, steps = _logical(replica, False), steps + 1
+            replayed += steps
+            assert now == got, (
+                f"table after the kill matches no prefix of the writer's updates (seed {child_seed})")
+            # The lock died with the writer: updating goes on.
+            probe = t.find(KROOMS[0])
+            if probe is not None:
+                t.item_done(probe, KROOMS[0])
+                replica.item_done(probe, KROOMS[0])
+            assert _logical(t) == _logical(replica)
+    finally:
+        os.close(r)
+        os.close(w)
+    print(f"kills={KILLS} updates_replayed={replayed} died_between_write_and_publish={mid_update}")
+    assert t.repairs == 0  # a killed writer never damages the active copy
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("point", ["rooms.body", "rooms.crc"])
+def test_writer_killed_at_each_point_leaves_old_value(make_table, point):
+    t = make_table(2)
+    slot = t.insert(5, "q5", 2, 1)
+    before = t.get(slot)
+
+    def child():
+        def die(p):
+            if p == point:
+                os.kill(os.getpid(), signal.SIGKILL)
+        rooms_mod._fault_hook = die
+        t.fail(slot, 5, "never")  # the inherited object: the fork re-opened its lock
+        raise AssertionError("fault point not reached")
+
+    assert _wait(_fork(child)) == -signal.SIGKILL
+    seq = t._seqv[slot]
+    off = t._rec0 + (2 * slot + ((seq + 1) & 1)) * rooms_mod._REC
+    inactive = t._mv[off:off + rooms_mod._REC].tobytes()
+    assert (rooms_mod.RoomTable._verify(inactive, (seq + 1) & 0xFFFFFFFF) is None) == (point == "rooms.body")
+    assert t.get(slot) == before  # the update did not happen
+    assert t.fail(slot, 5, "now") and t.get(slot).reason == "now"
+    assert t.repairs == 0
