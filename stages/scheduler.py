@@ -1,0 +1,132 @@
+"""Batches of pending misses: deterministic, FIFO by arrival, under a token budget.
+
+The scheduler stage holds every cache miss that still has to go through the
+tower. ``next_batch`` packs greedily from the head of the queue:
+
+* order is ``(seq, room, item)``: ``seq`` is the arrival order, ties broken by
+  room then item, so the same arrivals always give the same batches;
+* items are taken from the head while the running token sum (a token is one
+  row: an item costs its ``span``) stays ``<= max_tokens_per_batch`` and the
+  count ``<= max_items_per_batch``; packing stops at the *first* item that does
+  not fit. Nothing is skipped over, so nothing starves and every batch is the
+  longest prefix of the queue that fits;
+* an item whose span alone exceeds the token budget goes alone, in its own
+  batch, when it reaches the head (it would never fit otherwise);
+* backpressure: ``next_batch(reserve)`` offers the chosen batch to
+  ``reserve(batch) -> bool`` (the caller allocates embedding-arena space for its
+  output there). On False the batch is not released: it stays at the head, the
+  call returns ``[]`` and the same batch is offered again next time, so output
+  memory stays bounded.
+
+The queue is a binary heap: ``add`` is O(log n) and ``next_batch`` O(k log n)
+for a batch of k items. ``remove_room`` (a failed room) is O(n), which is fine
+for a rare event.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+
+@dataclass(frozen=True, order=True)
+class Pending:
+    """One item waiting for the tower. Sorted by ``(seq, room, item)``."""
+
+    seq: int  # arrival order
+    room: int
+    item: int
+    span: int  # rows (vision tokens) the item costs
+    payload: object = field(default=None, compare=False)
+
+
+Reserve = Callable[[list[Pending]], bool]
+
+
+class Scheduler:
+    def __init__(self, max_tokens_per_batch: int, max_items_per_batch: int):
+        for name, value in (
+            ("max_tokens_per_batch", max_tokens_per_batch),
+            ("max_items_per_batch", max_items_per_batch),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"scheduler budget {name} must be an integer >= 1, got {value!r}")
+            if value < 1:
+                raise ValueError(f"scheduler budget {name} must be >= 1, got {value}")
+        self.max_tokens_per_batch = max_tokens_per_batch
+        self.max_items_per_batch = max_items_per_batch
+        self._heap: list[Pending] = []
+        self._per_room: dict[int, int] = {}
+        self._tokens = 0
+        self.held_back = 0  # times a batch was refused by ``reserve``
+
+    def add(self, p: Pending) -> None:
+        if p.span < 0:
+            raise ValueError(f"pending item room={p.room} item={p.item} has negative span {p.span}")
+        heapq.heappush(self._heap, p)
+        self._per_room[p.room] = self._per_room.get(p.room, 0) + 1
+        self._tokens += p.span
+
+    def next_batch(self, reserve: Optional[Reserve] = None) -> list[Pending]:
+        """The next batch (removed from the queue), or [] if empty or held back."""
+        heap = self._heap
+        if not heap:
+            return []
+        batch: list[Pending] = []
+        tokens = 0
+        while heap and len(batch) < self.max_items_per_batch:
+            head = heap[0]
+            if batch and tokens + head.span > self.max_tokens_per_batch:
+                break
+            batch.append(heapq.heappop(heap))
+            tokens += head.span
+            if tokens > self.max_tokens_per_batch:  # an oversize item, alone
+                break
+        if reserve is not None:
+            try:
+                ok = reserve(batch)
+            except BaseException:
+                self._push_back(batch)
+                raise
+            if not ok:
+                self._push_back(batch)
+                self.held_back += 1
+                return []
+        for p in batch:
+            self._forget(p)
+        return batch
+
+    def _push_back(self, batch: list[Pending]) -> None:
+        for p in batch:
+            heapq.heappush(self._heap, p)
+
+    def _forget(self, p: Pending) -> None:
+        n = self._per_room[p.room] - 1
+        if n:
+            self._per_room[p.room] = n
+        else:
+            del self._per_room[p.room]
+        self._tokens -= p.span
+
+    def remove_room(self, room: int) -> list[Pending]:
+        """Take every pending item of ``room`` out of the queue; returned in queue order."""
+        if room not in self._per_room:
+            return []
+        gone = sorted(p for p in self._heap if p.room == room)
+        self._heap = [p for p in self._heap if p.room != room]
+        heapq.heapify(self._heap)
+        for p in gone:
+            self._forget(p)
+        return gone
+
+    def pending_tokens(self) -> int:
+        return self._tokens
+
+    def rooms(self) -> set[int]:
+        return set(self._per_room)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)

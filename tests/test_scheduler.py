@@ -1,0 +1,213 @@
+"""The scheduler: FIFO determinism, budgets, maximal batches, room removal, backpressure."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stages.scheduler import Pending, Scheduler
+
+budgets = st.tuples(st.integers(1, 64), st.integers(1, 8))
+
+
+@st.composite
+def arrivals(draw, max_size=60):
+    """Pending items with unique (room, item); seqs may tie, arrive in any order."""
+    n = draw(st.integers(0, max_size))
+    out = []
+    seen = set()
+    for _ in range(n):
+        room = draw(st.integers(0, 5))
+        item = draw(st.integers(0, 20))
+        if (room, item) in seen:
+            continue
+        seen.add((room, item))
+        seq = draw(st.integers(0, 30))
+        span = draw(st.one_of(st.integers(1, 20), st.integers(0, 100)))
+        out.append(Pending(seq, room, item, span, payload=("p", room, item)))
+    return draw(st.permutations(out))
+
+
+def drain(s: Scheduler, reserve=None) -> list[list[Pending]]:
+    batches = []
+    while len(s):
+        b = s.next_batch(reserve)
+        assert b, "a non-empty queue with a permissive reserve must give a batch"
+        batches.append(b)
+    assert s.next_batch() == []
+    return batches
+
+
+def check_batches(batches, max_tokens, max_items):
+    for i, b in enumerate(batches):
+        assert 1 <= len(b) <= max_items
+        tokens = sum(p.span for p in b)
+        if tokens > max_tokens:
+            assert len(b) == 1, "only a lone oversize item may exceed the token budget"
+            assert b[0].span > max_tokens
+        if i + 1 < len(batches):
+            nxt = batches[i + 1][0]
+            assert len(b) == max_items or tokens + nxt.span > max_tokens, (
+                "batch is not maximal: the next item would have fit"
+            )
+
+
+@given(arrivals(), budgets)
+def test_batches_are_fifo_within_budget_and_maximal(items, budget):
+    max_tokens, max_items = budget
+    s = Scheduler(max_tokens, max_items)
+    for p in items:
+        s.add(p)
+    assert len(s) == len(items)
+    assert s.pending_tokens() == sum(p.span for p in items)
+    batches = drain(s)
+    flat = [p for b in batches for p in b]
+    assert flat == sorted(items)
+    assert [p.payload for p in flat] == [p.payload for p in sorted(items)]
+    check_batches(batches, max_tokens, max_items)
+    assert len(s) == 0 and s.pending_tokens() == 0
+
+
+@given(arrivals(), arrivals(), budgets, st.data())
+def test_interleaved_adds_keep_order_of_what_is_pending(first, second, budget, data):
+    """Adding while draining: each batch is the maximal sorted prefix of what is pending."""
+    max_tokens, max_items = budget
+    s = Scheduler(max_tokens, max_items)
+    model: list[Pending] = []
+    keys = set()
+    for p in first:
+        s.add(p)
+        model.append(p)
+        keys.add((p.room, p.item))
+    later = [p for p in second if (p.room, p.item) not in keys]
+    while model or later:
+        if later and data.draw(st.booleans()):
+            p = later.pop()
+            s.add(p)
+            model.append(p)
+            continue
+        model.sort()
+        b = s.next_batch()
+        if not model:
+            assert b == []
+            continue
+        assert b == model[: len(b)]
+        rest = model[len(b):]
+        check_batches([b] + ([[rest[0]]] if rest else []), max_tokens, max_items)
+        model = rest
+        assert len(s) == len(model)
+
+
+@given(arrivals(), budgets, st.integers(0, 5))
+def test_remove_room_removes_exactly_that_room(items, budget, room):
+    s = Scheduler(*budget)
+    for p in items:
+        s.add(p)
+    gone = s.remove_room(room)
+    assert gone == sorted(p for p in items if p.room == room)
+    assert s.remove_room(room) == []
+    assert room not in s.rooms()
+    rest = sorted(p for p in items if p.room != room)
+    assert len(s) == len(rest)
+    assert s.pending_tokens() == sum(p.span for p in rest)
+    flat = [p for b in drain(s) for p in b]
+    assert flat == rest
+
+
+@given(arrivals(), budgets, st.lists(st.booleans(), max_size=200))
+def test_reserve_false_holds_back_the_same_batch(items, budget, answers):
+    max_tokens, max_items = budget
+    ref = Scheduler(max_tokens, max_items)
+    s = Scheduler(max_tokens, max_items)
+    for p in items:
+        ref.add(p)
+        s.add(p)
+    reference = drain(ref)
+
+    offered: list[list[Pending]] = []
+    answers = list(answers)
+
+    def reserve(batch):
+        offered.append(list(batch))
+        return answers.pop(0) if answers else True
+
+    got = []
+    refused = 0
+    while len(s):
+        before = len(s)
+        b = s.next_batch(reserve)
+        if not b:
+            assert len(s) == before, "a refused batch must stay queued"
+            refused += 1
+            continue
+        assert b == offered[-1]
+        got.append(b)
+    # With backpressure the released batches are exactly those without it.
+    assert got == reference
+    assert s.held_back == refused
+    # Every refused offer was the very batch released next (it stayed at the head).
+    i = 0
+    for b in got:
+        while i < len(offered) and offered[i] == b:
+            i += 1
+    assert i == len(offered)
+    assert len(offered) == len(got) + refused
+
+
+def test_reserve_false_returns_nothing_then_releases():
+    s = Scheduler(10, 4)
+    for i, span in enumerate([4, 4, 4]):
+        s.add(Pending(i, 1, i, span))
+    assert s.next_batch(lambda b: False) == []
+    assert s.held_back == 1
+    assert len(s) == 3
+    assert [p.item for p in s.next_batch(lambda b: True)] == [0, 1]
+    assert [p.item for p in s.next_batch()] == [2]
+
+
+def test_reserve_exception_keeps_batch_queued():
+    s = Scheduler(10, 4)
+    s.add(Pending(0, 1, 0, 3))
+
+    def boom(batch):
+        raise RuntimeError("arena gone")
+
+    with pytest.raises(RuntimeError):
+        s.next_batch(boom)
+    assert len(s) == 1
+    assert s.next_batch()[0].item == 0
+
+
+def test_oversize_item_goes_alone():
+    s = Scheduler(10, 8)
+    s.add(Pending(0, 0, 0, 3))
+    s.add(Pending(1, 0, 1, 50))
+    s.add(Pending(2, 0, 2, 3))
+    assert [p.span for p in s.next_batch()] == [3]
+    assert [p.span for p in s.next_batch()] == [50]
+    assert [p.span for p in s.next_batch()] == [3]
+    assert s.next_batch() == []
+
+
+def test_ties_broken_by_room_then_item():
+    s = Scheduler(100, 100)
+    for room, item in [(2, 0), (1, 1), (1, 0), (0, 5)]:
+        s.add(Pending(7, room, item, 1))
+    assert [(p.room, p.item) for p in s.next_batch()] == [(0, 5), (1, 0), (1, 1), (2, 0)]
+
+
+def test_payload_not_compared():
+    assert Pending(0, 0, 0, 1, payload=object()) == Pending(0, 0, 0, 1, payload=object())
+
+
+@pytest.mark.parametrize(
+    "tokens, items", [(0, 1), (1, 0), (-5, 3), (3, -1), (0, 0), (1.5, 2), (True, 2), ("8", 2)]
+)
+def test_invalid_budgets_refused(tokens, items):
+    with pytest.raises(ValueError, match="must be"):
+        Scheduler(tokens, items)
+
+
+def test_negative_span_refused():
+    with pytest.raises(ValueError):
+        Scheduler(4, 4).add(Pending(0, 0, 0, -1))
