@@ -368,6 +368,11 @@ class RoomTable:
             hit &= self._states.ravel() != 0
         return _slots(hit)
 
+    def count_live(self) -> int:
+        """Rooms not yet concluded (a vectorised count; may be off by one under a concurrent write)."""
+        st = self._active_states()
+        return int(((st > RoomState.FREE) & (st < RoomState.SUCCESS)).sum())
+
     def _active_states(self) -> np.ndarray:
         st = self._states
         return np.where(self._seq & 1, st[:, 1], st[:, 0])

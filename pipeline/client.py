@@ -1,0 +1,112 @@
+"""Gateway-side library: publishes pixels and sends `encode` messages (PROTOCOL.md section 1)."""
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+
+from ipc import shm
+from pipeline import protocol
+
+_NP_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
+
+
+@dataclass
+class Item:
+    """One vision item. bfloat16 pixels are a uint16 array of their raw bits with dtype='bfloat16'."""
+    modality: str
+    grid_thw: list
+    pixels: np.ndarray
+    dtype: str | None = None
+    hash: int | None = None
+
+    def dtype_name(self) -> str:
+        if self.dtype:
+            return self.dtype
+        try:
+            return _NP_NAMES[np.dtype(self.pixels.dtype)]
+        except KeyError:
+            raise ValueError(f"pixels of dtype {self.pixels.dtype} need dtype='bfloat16' (uint16 bits) "
+                             f"or float32/float16") from None
+
+
+class Client:
+    """Sends encode requests to one worker.
+
+    Pixels travel in a POSIX shared-memory segment under the worker's prefix (the
+    worker reads it and unlinks it), or inline in the message with ``inline=True``.
+    """
+
+    def __init__(self, intake: str, shm_prefix: str, ctx: zmq.Context | None = None):
+        self.shm_prefix = shm.check_prefix(shm_prefix)
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.LINGER, 5000)
+        self.sock.connect(intake)
+        self._names = itertools.count()
+
+    def publish(self, pixels: np.ndarray) -> str:
+        """Write pixels into a new segment named for this worker; returns its name."""
+        name = f"/{self.shm_prefix}.px.{os.getpid()}.{next(self._names)}"
+        data = np.ascontiguousarray(pixels)
+        fd = os.open(os.path.join(shm.SHM_DIR, name[1:]), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            view = memoryview(data).cast("B")
+            written = 0
+            while written < len(view):
+                written += os.write(fd, view[written:])
+        except BaseException:
+            os.unlink(os.path.join(shm.SHM_DIR, name[1:]))
+            raise
+        finally:
+            os.close(fd)
+        return name
+
+    def message(self, room: int, request_id: str, items: list[Item], *, deadline_ms: int | None = None,
+                inline: bool = False) -> dict:
+        msg_items = []
+        published = []
+        try:
+            for it in items:
+                px = {"shape": list(it.pixels.shape), "dtype": it.dtype_name()}
+                if inline:
+                    px["data"] = np.ascontiguousarray(it.pixels).tobytes()
+                else:
+                    px["shm"] = self.publish(it.pixels)
+                    published.append(px["shm"])
+                entry = {"modality": it.modality, "grid_thw": [list(g) for g in it.grid_thw], "pixels": px}
+                if it.hash is not None:
+                    entry["hash"] = it.hash
+                msg_items.append(entry)
+        except BaseException:
+            for name in published:
+                unlink_segment(name)
+            raise
+        msg = {"v": protocol.VERSION, "type": "encode", "request_id": request_id, "room": room,
+               "items": msg_items}
+        if deadline_ms is not None:
+            msg["deadline_ms"] = deadline_ms
+        return msg
+
+    def encode(self, room: int, request_id: str, items: list[Item], *, deadline_ms: int | None = None,
+               inline: bool = False) -> None:
+        self.send(self.message(room, request_id, items, deadline_ms=deadline_ms, inline=inline))
+
+    def send(self, msg: dict) -> None:
+        self.sock.send(protocol.encode(msg))
+
+    def send_raw(self, frame: bytes) -> None:
+        self.sock.send(frame)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def unlink_segment(name: str) -> None:
+    try:
+        os.unlink(os.path.join(shm.SHM_DIR, name.lstrip("/")))
+    except FileNotFoundError:
+        pass

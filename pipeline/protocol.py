@@ -1,0 +1,255 @@
+"""Wire protocol version 1 (../shared/PROTOCOL.md): parsing and validation of messages.
+
+Only structure is checked here; rules that need the worker's state (the tower's
+patch_dim, the item's span, remembered rooms) are checked by the stages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+
+VERSION = 1
+U64_MAX = 2**64 - 1
+DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
+MODALITIES = ("image", "video")
+MAX_REQUEST_ID = 128
+MAX_ID_CHARS = 256  # receiver ids, sessions, endpoints
+
+
+class ProtocolError(ValueError):
+    """A message breaks a rule; str(e) is the reason sent to the client."""
+
+
+def is_u64(x) -> bool:
+    return type(x) is int and 0 <= x <= U64_MAX
+
+
+def is_int(x) -> bool:
+    return type(x) is int
+
+
+def decode(frame: bytes) -> dict:
+    """One frame -> its map. ProtocolError if it is not a msgpack map with string keys."""
+    try:
+        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"not a msgpack message ({type(e).__name__})") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError("message is not a map")
+    if msg.get("v") != VERSION:
+        raise ProtocolError(f"unsupported protocol version {msg.get('v')!r} (this worker speaks {VERSION})")
+    if not isinstance(msg.get("type"), str):
+        raise ProtocolError("missing message type")
+    return msg
+
+
+def encode(msg: dict) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def room_of(msg) -> int | None:
+    """The message's room if it can be read, else None."""
+    if isinstance(msg, dict) and is_u64(msg.get("room")):
+        return msg["room"]
+    return None
+
+
+# ---------------------------------------------------------------- intake
+
+
+@dataclass
+class PixelsRef:
+    shape: tuple[int, int]
+    dtype: str
+    shm: str | None = None
+    data: bytes | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.shape[1] * DTYPES[self.dtype]
+
+
+@dataclass
+class EncodeItem:
+    modality: str
+    grid_thw: list[tuple[int, int, int]]
+    pixels: PixelsRef
+    hash: int | None
+
+
+@dataclass
+class EncodeRequest:
+    request_id: str
+    room: int
+    items: list[EncodeItem]
+    deadline_ms: int | None
+
+
+def shm_names(msg: dict) -> list[str]:
+    """Every segment name the message hands over, valid or not: they are the worker's to unlink."""
+    out = []
+    items = msg.get("items")
+    if isinstance(items, list):
+        for it in items:
+            if isinstance(it, dict) and isinstance(it.get("pixels"), dict):
+                name = it["pixels"].get("shm")
+                if isinstance(name, str):
+                    out.append(name)
+    return out
+
+
+def parse_encode(msg: dict, max_items: int) -> EncodeRequest:
+    if msg.get("type") != "encode":
+        raise ProtocolError(f"intake takes 'encode' messages, not {msg.get('type')!r}")
+    rid = msg.get("request_id")
+    if not isinstance(rid, str) or not 1 <= len(rid) <= MAX_REQUEST_ID:
+        raise ProtocolError(f"request_id must be a string of 1..{MAX_REQUEST_ID} characters")
+    room = room_of(msg)
+    if room is None:
+        raise ProtocolError("room must be an unsigned 64-bit integer")
+    deadline = msg.get("deadline_ms")
+    if deadline is not None and (not is_int(deadline) or not 1 <= deadline <= 10**9):
+        raise ProtocolError("deadline_ms must be an integer in 1..1e9")
+    items = msg.get("items")
+    if not isinstance(items, list) or not 1 <= len(items) <= max_items:
+        raise ProtocolError(f"items must be a list of 1..{max_items} items")
+    parsed = [_parse_item(i, it) for i, it in enumerate(items)]
+    return EncodeRequest(rid, room, parsed, deadline)
+
+
+def _parse_item(i: int, it) -> EncodeItem:
+    if not isinstance(it, dict):
+        raise ProtocolError(f"item {i}: not a map")
+    modality = it.get("modality")
+    if modality not in MODALITIES:
+        raise ProtocolError(f"item {i}: modality must be 'image' or 'video', got {modality!r}")
+    grid = it.get("grid_thw")
+    if not isinstance(grid, list) or not 1 <= len(grid) <= 4096:
+        raise ProtocolError(f"item {i}: grid_thw must be a non-empty list of [t, h, w]")
+    thw = []
+    for g in grid:
+        if not (isinstance(g, list) and len(g) == 3 and all(is_int(x) and 1 <= x <= 1 << 20 for x in g)):
+            raise ProtocolError(f"item {i}: each grid_thw entry must be [t, h, w] with integers in 1..2^20")
+        thw.append((g[0], g[1], g[2]))
+    px = it.get("pixels")
+    if not isinstance(px, dict):
+        raise ProtocolError(f"item {i}: pixels must be a map")
+    has_shm, has_data = "shm" in px, "data" in px
+    if has_shm == has_data:
+        raise ProtocolError(f"item {i}: pixels must have exactly one of 'shm' or 'data'")
+    shape = px.get("shape")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(is_int(x) and 1 <= x <= 1 << 40 for x in shape)):
+        raise ProtocolError(f"item {i}: pixels.shape must be [n_patches, patch_dim] of positive integers")
+    dtype = px.get("dtype")
+    if dtype not in DTYPES:
+        raise ProtocolError(f"item {i}: pixels.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    ref = PixelsRef(shape=(shape[0], shape[1]), dtype=dtype)
+    if has_shm:
+        if not isinstance(px["shm"], str):
+            raise ProtocolError(f"item {i}: pixels.shm must be a string")
+        ref.shm = px["shm"]
+    else:
+        if not isinstance(px["data"], bytes):
+            raise ProtocolError(f"item {i}: pixels.data must be bytes")
+        ref.data = px["data"]
+    h = it.get("hash")
+    if h is not None and not is_u64(h):
+        raise ProtocolError(f"item {i}: hash must be an unsigned 64-bit integer")
+    return EncodeItem(modality, thw, ref, h)
+
+
+def check_item_against_tower(i: int, item: EncodeItem, patch_dim: int, merge: int) -> int:
+    """Rules that need the tower; returns the item's span."""
+    n_patches = 0
+    for t, h, w in item.grid_thw:
+        if h % merge or w % merge:
+            raise ProtocolError(
+                f"item {i}: grid [{t}, {h}, {w}] has h or w not divisible by the merge size {merge}")
+        n_patches += t * h * w
+    if item.pixels.shape[0] != n_patches:
+        raise ProtocolError(
+            f"item {i}: pixels.shape[0] is {item.pixels.shape[0]} but grid_thw gives {n_patches} patches")
+    if item.pixels.shape[1] != patch_dim:
+        raise ProtocolError(
+            f"item {i}: pixels.shape[1] is {item.pixels.shape[1]} but the tower's patch_dim is {patch_dim}")
+    if item.pixels.data is not None and len(item.pixels.data) != item.pixels.nbytes:
+        raise ProtocolError(
+            f"item {i}: inline data has {len(item.pixels.data)} bytes, shape and dtype need {item.pixels.nbytes}")
+    return n_patches // (merge * merge)
+
+
+# ---------------------------------------------------------------- bootstrap
+
+
+@dataclass
+class Register:
+    receiver: str
+    session: str
+    status: str
+
+
+@dataclass
+class Alloc:
+    receiver: str
+    room: int
+    item: int
+    dst: int
+    dst_deepstack: int
+    row_start: int
+    n_rows: int
+    span: int
+    hidden: int
+    dtype: str
+    deepstack_width: int
+    fanout: int
+
+
+@dataclass
+class Cancel:
+    receiver: str
+    room: int
+
+
+def _short_str(msg: dict, key: str) -> str:
+    v = msg.get(key)
+    if not isinstance(v, str) or not 1 <= len(v) <= MAX_ID_CHARS:
+        raise ProtocolError(f"{key} must be a string of 1..{MAX_ID_CHARS} characters")
+    return v
+
+
+def parse_bootstrap(msg: dict) -> Register | Alloc | Cancel:
+    kind = msg.get("type")
+    if kind == "register":
+        status = _short_str(msg, "status")
+        if not status.startswith(("tcp://", "ipc://")):
+            raise ProtocolError("status must be a tcp:// or ipc:// endpoint")
+        return Register(_short_str(msg, "receiver"), _short_str(msg, "session"), status)
+    if kind == "cancel":
+        room = room_of(msg)
+        if room is None:
+            raise ProtocolError("room must be an unsigned 64-bit integer")
+        return Cancel(_short_str(msg, "receiver"), room)
+    if kind != "alloc":
+        raise ProtocolError(f"bootstrap takes register, alloc or cancel, not {kind!r}")
+    receiver = _short_str(msg, "receiver")
+    for key in ("room", "dst", "dst_deepstack"):
+        if not is_u64(msg.get(key)):
+            raise ProtocolError(f"{key} must be an unsigned 64-bit integer")
+    for key in ("item", "row_start", "n_rows", "span", "hidden", "deepstack_width"):
+        v = msg.get(key)
+        if not is_int(v) or not 0 <= v <= 1 << 40:
+            raise ProtocolError(f"{key} must be a non-negative integer")
+    fanout = msg.get("fanout")
+    if not is_int(fanout) or not 1 <= fanout <= 1024:
+        raise ProtocolError("fanout must be an integer in 1..1024")
+    if msg.get("dtype") not in DTYPES:
+        raise ProtocolError(f"dtype must be one of {', '.join(DTYPES)}")
+    return Alloc(receiver, msg["room"], msg["item"], msg["dst"], msg["dst_deepstack"],
+                 msg["row_start"], msg["n_rows"], msg["span"], msg["hidden"], msg["dtype"],
+                 msg["deepstack_width"], fanout)
+
+
+def status_message(room: int, item: int | None, ok: bool, reason: str = "") -> bytes:
+    return encode({"v": VERSION, "type": "status", "room": room, "item": item,
+                   "state": "success" if ok else "failed", "reason": "" if ok else reason})

@@ -1,0 +1,108 @@
+"""Hash/cache stage: content hash, cache lookup, one encode for identical misses in flight."""
+from __future__ import annotations
+
+import struct
+
+import xxhash
+
+from ipc.arena import Arena, Lease, StaleLease
+from stages.cache import EmbeddingCache, InflightMisses
+from stages.records import OWNER_CACHE, OWNER_INTAKE, OWNER_SENDER, RoomFailure, ReadyItem, WorkItem
+
+
+def content_hash(modality: str, grid_thw, pixel_dtype: str, pixels) -> int:
+    """64-bit hash of what determines an embedding: the pixel bytes *and* their grid.
+
+    The same bytes under another grid (say [1, 4, 8] and [1, 8, 4]) give other
+    rows, so the grid and dtype go into the hash, not only the bytes.
+    """
+    h = xxhash.xxh3_64()
+    h.update(f"{modality}|{pixel_dtype}|".encode())
+    h.update(struct.pack(f"<{3 * len(grid_thw)}q", *(x for g in grid_thw for x in g)))
+    h.update(pixels)
+    return h.intdigest()
+
+
+class HashCache:
+    def __init__(self, *, pixel_arena: Arena, cache: EmbeddingCache, hidden: int, dtype: str,
+                 trust_client_hash: bool = False):
+        self.pixel_arena = pixel_arena
+        self.cache = cache
+        self.hidden = hidden
+        self.dtype = dtype
+        self.trust_client_hash = trust_client_hash
+        self.inflight = InflightMisses()
+        self.dedup_hits = 0
+
+    def key_of(self, w: WorkItem) -> tuple:
+        if self.trust_client_hash and w.client_hash is not None:
+            h = w.client_hash
+        else:
+            h = content_hash(w.modality, w.grid_thw, w.pixel_dtype, self.pixel_arena.view(w.pixels))
+        return (w.modality, h, w.span, self.hidden, self.dtype)
+
+    def on_item(self, w: WorkItem) -> tuple[ReadyItem | None, WorkItem | None]:
+        """A hit comes back ready to send; the first miss of a key goes on to be encoded;
+        an identical miss already in flight waits for it (both None). StaleLease: the
+        pixels were reclaimed from a dead intake; the caller fails the room."""
+        self.pixel_arena.transfer(w.pixels, OWNER_INTAKE, OWNER_CACHE)
+        w.key = self.key_of(w)
+        lease = self.cache.lookup(w.key, OWNER_SENDER)
+        if lease is not None:
+            self._drop_pixels(w)
+            return ReadyItem(w.slot, w.room, w.item, w.span, lease), None
+        if self.inflight.begin(w.key, w):
+            return None, w
+        self.dedup_hits += 1
+        return None, None
+
+    def on_encoded(self, key: tuple, lease: Lease) -> list[ReadyItem]:
+        """The tower wrote `key`'s rows into `lease` (the caller keeps its own reference)."""
+        self.cache.insert(key, lease)
+        ready = []
+        for w in self.inflight.finish(key):
+            self._drop_pixels(w)
+            try:
+                self.cache.arena.addref(lease, OWNER_SENDER)
+            except StaleLease:
+                continue
+            ready.append(ReadyItem(w.slot, w.room, w.item, w.span, lease))
+        return ready
+
+    def on_encode_failed(self, key: tuple, reason: str,
+                         failed_rooms: set[int]) -> tuple[list[RoomFailure], WorkItem | None]:
+        """The encode of `key` failed. Waiters whose rooms failed with it fail; the first
+        of the others is encoded anew (the rest keep waiting on it)."""
+        failures, survivors = [], []
+        for w in self.inflight.abort(key):
+            if w.room in failed_rooms:
+                self._drop_pixels(w)
+                failures.append(RoomFailure(w.slot, w.room, reason))
+            else:
+                survivors.append(w)
+        again = None
+        for w in survivors:
+            if self.inflight.begin(key, w):
+                again = w
+        return failures, again
+
+    def forget_room(self, room: int) -> None:
+        """A failed room's waiters stop waiting (their pixels are released)."""
+        for key in self.inflight.keys():
+            waiters = self.inflight.waiting(key)
+            if len(waiters) > 1 and any(w.room == room for w in waiters[1:]):
+                keep = [w for w in waiters if w.room != room or w is waiters[0]]
+                for w in waiters:
+                    if w not in keep:
+                        self._drop_pixels(w)
+                self.inflight.abort(key)
+                for w in keep:
+                    self.inflight.begin(key, w)
+
+    def _drop_pixels(self, w: WorkItem) -> None:
+        if w.pixels is None:  # the tower already let go of them
+            return
+        try:
+            self.pixel_arena.drop(w.pixels, OWNER_CACHE)
+        except StaleLease:
+            pass

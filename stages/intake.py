@@ -1,0 +1,210 @@
+"""Intake: validates `encode` messages, takes ownership of pixel segments, records rooms."""
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from ipc import shm
+from ipc.arena import Arena, Lease
+from ipc.rooms import RoomState, RoomTable, TableFull
+from pipeline import protocol
+from pipeline.protocol import ProtocolError
+from stages.records import OWNER_INTAKE, RoomFailure, RoomOpened, WorkItem
+
+log = logging.getLogger("epd.intake")
+
+
+@dataclass
+class IntakeResult:
+    opened: RoomOpened | None = None
+    items: list[WorkItem] | None = None
+    failure: RoomFailure | None = None
+    stalled: bool = False   # the pixel arena is full: hand the same frame back later
+
+
+class Intake:
+    def __init__(self, *, prefix: str, run_id: str, pixel_arena: Arena, rooms: RoomTable,
+                 patch_dim: int, merge: int, max_items_per_request: int,
+                 max_pixel_bytes_per_request: int, max_live_rooms: int):
+        self.prefix = prefix
+        self.run_id = run_id
+        self.pixel_arena = pixel_arena
+        self.rooms = rooms
+        self.patch_dim = patch_dim
+        self.merge = merge
+        self.max_items = max_items_per_request
+        self.max_pixel_bytes = max_pixel_bytes_per_request
+        self.max_live_rooms = max_live_rooms
+        self.dropped = Counter()   # reason -> messages dropped without a room to fail
+        self.failed = Counter()    # reason kind -> rooms failed at intake
+        self._seq = 0
+        self._logged = set()
+
+    # ------------------------------------------------------------ helpers
+    def _drop(self, reason: str) -> IntakeResult:
+        self.dropped[reason.split(":")[0]] += 1
+        self._log_once(f"dropped a message: {reason}")
+        return IntakeResult()
+
+    def _log_once(self, text: str) -> None:
+        key = text.split(":")[0] if len(self._logged) > 1000 else text
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning(text)
+
+    def segment_name_problem(self, name: str) -> str | None:
+        """Why the worker will not open `name`, or None if it is a client segment it may take."""
+        if not name.startswith("/" + self.prefix) or len(name) > 255:
+            return f"segment {name[:80]!r} is outside the worker's shm prefix '/{self.prefix}'"
+        rest = name[1:]
+        if "/" in rest or "\0" in rest or rest in (".", ".."):
+            return f"segment name {name[:80]!r} may not contain '/' or NUL"
+        if rest.startswith("sem.") or shm.parse_name(rest) is not None:
+            return f"segment {name[:80]!r} names one of the worker's own objects"
+        return None
+
+    def _take_segments(self, msg: dict) -> dict[str, int | str]:
+        """Open and unlink every acceptable segment the message names: name -> fd, or a reason."""
+        taken: dict[str, int | str] = {}
+        for name in protocol.shm_names(msg):
+            if name in taken:
+                continue
+            problem = self.segment_name_problem(name)
+            if problem:
+                taken[name] = problem
+                continue
+            path = os.path.join(shm.SHM_DIR, name[1:])
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            except FileNotFoundError:
+                taken[name] = f"segment {name!r} does not exist"
+                continue
+            except OSError as e:
+                taken[name] = f"segment {name!r} cannot be opened: {e.strerror}"
+                continue
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                    os.close(fd)
+                    taken[name] = f"segment {name!r} is not a regular segment of the worker's user"
+                    continue
+                os.unlink(path)
+            except OSError:
+                pass
+            taken[name] = fd
+        return taken
+
+    # ------------------------------------------------------------ the work
+    def handle(self, frame: bytes, arrival: float | None = None) -> IntakeResult:
+        arrival = time.monotonic() if arrival is None else arrival
+        try:
+            msg = protocol.decode(frame)
+        except ProtocolError as e:
+            return self._drop(str(e))
+        room = protocol.room_of(msg)
+        if room is None:
+            # Nobody to answer, but the segments are still ours to remove.
+            self._close(self._take_segments(msg))
+            return self._drop("room cannot be read")
+        if self.rooms.find(room) is not None:
+            self._close(self._take_segments(msg))
+            return self._drop("duplicate room")
+        rid = msg.get("request_id") if isinstance(msg.get("request_id"), str) else ""
+        rid = rid[: protocol.MAX_REQUEST_ID]
+
+        try:
+            req = protocol.parse_encode(msg, self.max_items)
+            spans = [protocol.check_item_against_tower(i, it, self.patch_dim, self.merge)
+                     for i, it in enumerate(req.items)]
+            total = sum(it.pixels.nbytes for it in req.items)
+            if total > self.max_pixel_bytes:
+                raise ProtocolError(
+                    f"request has {total} pixel bytes; this worker takes at most "
+                    f"{self.max_pixel_bytes} per request (max_pixel_bytes_per_request)")
+            if total > self.pixel_arena.size:
+                raise ProtocolError(
+                    f"request has {total} pixel bytes; the pixel arena holds {self.pixel_arena.size}")
+            if self.rooms.count_live() >= self.max_live_rooms:
+                raise ProtocolError(
+                    f"worker is at its limit of {self.max_live_rooms} live rooms (max_live_rooms)")
+        except ProtocolError as e:
+            self._close(self._take_segments(msg))
+            return self._fail_new_room(room, rid, str(e))
+
+        # Space first: a full arena stalls the frame with its segments untouched.
+        leases: list[Lease] = []
+        for it in req.items:
+            lease = self.pixel_arena.alloc(it.pixels.nbytes, OWNER_INTAKE)
+            if lease is None:
+                for taken in leases:
+                    self.pixel_arena.drop(taken, OWNER_INTAKE)
+                return IntakeResult(stalled=True)
+            leases.append(lease)
+
+        segments = self._take_segments(msg)
+        try:
+            for it, lease in zip(req.items, leases):
+                self._read_pixels(it.pixels, segments, lease)
+        except ProtocolError as e:
+            for lease in leases:
+                self.pixel_arena.drop(lease, OWNER_INTAKE)
+            return self._fail_new_room(room, rid, str(e))
+        finally:
+            self._close(segments)
+
+        deadline = arrival + req.deadline_ms / 1000.0 if req.deadline_ms else 0.0
+        try:
+            slot = self.rooms.insert(room, req.request_id, len(req.items), OWNER_INTAKE,
+                                     deadline=deadline, state=RoomState.BOOTSTRAPPING)
+        except TableFull as e:
+            for lease in leases:
+                self.pixel_arena.drop(lease, OWNER_INTAKE)
+            return self._drop(f"room table full: {e}")
+        items = []
+        for i, (it, sp, lease) in enumerate(zip(req.items, spans, leases)):
+            self._seq += 1
+            items.append(WorkItem(
+                slot=slot, room=room, item=i, seq=self._seq, modality=it.modality,
+                grid_thw=[list(g) for g in it.grid_thw], pixel_dtype=it.pixels.dtype,
+                n_patches=it.pixels.shape[0], patch_dim=it.pixels.shape[1], span=sp,
+                pixels=lease, client_hash=it.hash))
+        return IntakeResult(opened=RoomOpened(slot, room, req.request_id, spans, deadline),
+                            items=items)
+
+    @staticmethod
+    def _close(segments: dict) -> None:
+        for fd in segments.values():
+            if isinstance(fd, int):
+                os.close(fd)
+
+    def _read_pixels(self, px: protocol.PixelsRef, segments: dict, lease: Lease) -> None:
+        view = self.pixel_arena.view(lease)
+        if px.data is not None:
+            view[:] = px.data
+            return
+        fd = segments[px.shm]
+        if isinstance(fd, str):
+            raise ProtocolError(fd)
+        size = os.fstat(fd).st_size
+        if size != px.nbytes:
+            raise ProtocolError(
+                f"segment {px.shm!r} holds {size} bytes; shape and dtype need {px.nbytes}")
+        got = 0
+        while got < px.nbytes:
+            n = os.preadv(fd, [view[got:]], got)
+            if n <= 0:
+                raise ProtocolError(f"segment {px.shm!r} shrank while it was read")
+            got += n
+
+    def _fail_new_room(self, room: int, rid: str, reason: str) -> IntakeResult:
+        self.failed[reason.split(":")[0][:60]] += 1
+        self._log_once(f"room {room} ({rid!r}) failed at intake: {reason}")
+        try:
+            slot = self.rooms.insert(room, rid or "?", 0, OWNER_INTAKE)
+        except TableFull as e:
+            return self._drop(f"room table full: {e}")
+        return IntakeResult(failure=RoomFailure(slot, room, reason))

@@ -1,0 +1,197 @@
+"""Reaper: concludes rooms, tells receivers, enforces deadlines and tombstones.
+
+It is the one place that decides what each receiver hears, so that a receiver
+gets at most one terminal status per (room, item), never `success` after
+`failed`, and `failed` only once the sender has fenced the room (no write to the
+receiver's buffers is in flight or can start).
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+import zmq
+
+from ipc.rooms import RoomState, RoomTable, TableFull
+from pipeline import protocol
+from stages.records import OWNER_REAPER, RoomFailure, RoomOpened
+
+log = logging.getLogger("epd.reaper")
+
+
+class StatusPusher:
+    """One PUSH socket per receiver's status endpoint; never blocks the reaper."""
+
+    def __init__(self, ctx: zmq.Context, hwm: int = 10000):
+        self.ctx = ctx
+        self.hwm = hwm
+        self.endpoints: dict[str, str] = {}
+        self.sockets: dict[str, zmq.Socket] = {}
+        self.undelivered = 0
+
+    def register(self, receiver: str, endpoint: str) -> None:
+        if self.endpoints.get(receiver) == endpoint:
+            return
+        old = self.sockets.pop(receiver, None)
+        if old is not None:
+            old.close(linger=0)
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, self.hwm)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.IMMEDIATE, 0)
+        sock.connect(endpoint)
+        self.endpoints[receiver] = endpoint
+        self.sockets[receiver] = sock
+
+    def send(self, receiver: str, frame: bytes) -> None:
+        sock = self.sockets.get(receiver)
+        if sock is None:
+            self.undelivered += 1
+            return
+        try:
+            sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            self.undelivered += 1
+
+    def close(self) -> None:
+        for sock in self.sockets.values():
+            sock.close()
+        self.sockets.clear()
+
+
+@dataclass
+class _Told:
+    """What the receivers of one room have been told."""
+    success: dict[str, set[int]] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)
+
+
+class Reaper:
+    def __init__(self, *, rooms: RoomTable, pusher: StatusPusher, fence, forget,
+                 tombstone_ttl_s: float, max_tombstones: int):
+        """`fence(room)` asks the sender to stop the room (it answers with a `fenced`
+        event); `forget(room)` tells it the room succeeded."""
+        self.rooms = rooms
+        self.pusher = pusher
+        self.fence = fence
+        self.forget = forget
+        self.tombstone_ttl_s = tombstone_ttl_s
+        self.max_tombstones = max_tombstones
+        self.told: dict[int, _Told] = {}
+        self.reasons: dict[int, str] = {}        # failed rooms awaiting their fence
+        self.deadlines: list[tuple[float, int, int]] = []
+        self.tombstones: OrderedDict[int, tuple[float, int]] = OrderedDict()  # room -> (concluded, slot)
+        self.outcomes = Counter()
+        self.conclusions: list[tuple[int, str, str]] = []  # (room, "success"|"failed", reason), for callers
+
+    # ------------------------------------------------------------ inputs
+    def on_opened(self, o: RoomOpened) -> None:
+        self.told[o.room] = _Told()
+        if o.deadline:
+            heapq.heappush(self.deadlines, (o.deadline, o.slot, o.room))
+
+    def on_event(self, ev: tuple) -> None:
+        kind = ev[0]
+        if kind == "register":
+            self.pusher.register(ev[1].receiver, ev[1].status)
+        elif kind == "success":
+            _, room, item, receiver = ev
+            told = self.told.setdefault(room, _Told())
+            if receiver in told.failed or item in told.success.get(receiver, ()):
+                return
+            told.success.setdefault(receiver, set()).add(item)
+            self.pusher.send(receiver, protocol.status_message(room, item, True))
+        elif kind == "item_done":
+            _, slot, room, item = ev
+            done = self.rooms.item_done(slot, room)
+            entry = self.rooms.get(slot)
+            if entry is not None and entry.room == room and done >= entry.items_total:
+                if self.rooms.succeed(slot, room):
+                    self.forget(room)
+                    self._concluded(room, slot, "success", "")
+        elif kind == "fail":
+            _, slot, room, reason = ev
+            self.fail(RoomFailure(slot, room, reason))
+        elif kind == "fenced":
+            _, room, receivers = ev
+            reason = self.reasons.pop(room, None)
+            if reason is None:
+                entry = self._entry(room)
+                reason = entry.reason if entry else "room failed"
+            for r in receivers:
+                self._tell_failed(room, r, reason)
+        elif kind in ("late_alloc", "unknown_room"):
+            _, room, receiver = ev
+            entry = self._entry(room)
+            if entry is None:
+                reason = "unknown room"
+            elif entry.state == RoomState.FAILED:
+                reason = entry.reason
+            elif room in self.reasons:  # failing, fence not yet answered: it will tell them
+                return
+            else:
+                reason = "room already concluded"
+            told = self.told.get(room)
+            if told is not None and (receiver in told.failed or receiver in told.success):
+                return
+            self._tell_failed(room, receiver, reason)
+        else:
+            raise ValueError(f"unknown event {kind!r}")
+
+    def fail(self, f: RoomFailure) -> None:
+        """Conclude a room Failed (first conclusion wins), then fence it at the sender."""
+        slot = f.slot
+        if slot is None:
+            slot = self.rooms.find(f.room)
+            if slot is None:
+                try:
+                    slot = self.rooms.insert(f.room, "?", 0, OWNER_REAPER)
+                except TableFull:
+                    log.error("room %d failed (%s) but the room table is full", f.room, f.reason)
+                    self.fence(f.room)
+                    return
+        if not self.rooms.fail(slot, f.room, f.reason):
+            return
+        self.reasons[f.room] = f.reason
+        self._concluded(f.room, slot, "failed", f.reason)
+        self.fence(f.room)
+
+    # ------------------------------------------------------------ time
+    def tick(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        while self.deadlines and self.deadlines[0][0] <= now:
+            _, slot, room = heapq.heappop(self.deadlines)
+            entry = self.rooms.get(slot)
+            if entry is not None and entry.room == room and entry.state < RoomState.SUCCESS:
+                self.fail(RoomFailure(slot, room, "deadline exceeded (deadline_ms)"))
+        while self.tombstones:
+            room, (t, slot) = next(iter(self.tombstones.items()))
+            if t > now - self.tombstone_ttl_s and len(self.tombstones) <= self.max_tombstones:
+                break
+            if room in self.reasons:  # still waiting for its fence
+                break
+            self.tombstones.popitem(last=False)
+            self.rooms.free(slot, room)
+            self.told.pop(room, None)
+
+    # ------------------------------------------------------------ helpers
+    def _entry(self, room: int):
+        slot = self.rooms.find(room)
+        return self.rooms.get(slot) if slot is not None else None
+
+    def _tell_failed(self, room: int, receiver: str, reason: str) -> None:
+        told = self.told.setdefault(room, _Told())
+        if receiver in told.failed:
+            return
+        told.failed.add(receiver)
+        self.pusher.send(receiver, protocol.status_message(room, None, False, reason))
+
+    def _concluded(self, room: int, slot: int, outcome: str, reason: str) -> None:
+        self.outcomes[outcome] += 1
+        self.conclusions.append((room, outcome, reason))
+        self.tombstones[room] = (time.monotonic(), slot)
+        if outcome == "failed":
+            log.info("room %d failed: %s", room, reason)

@@ -1,0 +1,348 @@
+"""Sender: matches ready embeddings with receivers' allocs, checks them, issues writes.
+
+It owns the Mooncake engine and the bootstrap socket's messages. It never sends a
+status itself: everything a receiver should hear goes to the reaper as an event,
+so that one place decides what each receiver is told, exactly once.
+
+Events (tuples) to the reaper:
+  ("register", Register)                       a receiver (re)registered
+  ("success", room, item, receiver)            that receiver's rows of the item are written
+  ("item_done", slot, room, item)              every shard of the item is written
+  ("fail", slot, room, reason)                 the room cannot succeed (slot None: not opened)
+  ("fenced", room, [receivers])                no write for the room is in flight or can start
+  ("late_alloc", room, receiver)               alloc for a room that is already concluded
+  ("unknown_room", room, receiver)             allocs held bootstrap_timeout_s for a room never seen
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ipc.arena import Arena, StaleLease
+from ipc.rooms import RoomState, RoomTable
+from pipeline import protocol
+from pipeline.protocol import Alloc, Cancel, ProtocolError, Register
+from stages.records import OWNER_SENDER, ReadyItem, RoomOpened
+
+log = logging.getLogger("epd.sender")
+
+
+@dataclass
+class _Write:
+    item: int
+    receiver: str
+    pending: object  # transport Pending
+
+
+@dataclass
+class _ItemTx:
+    span: int
+    allocs: list[Alloc] = field(default_factory=list)
+    fanout: int = 0
+    ready: ReadyItem | None = None
+    ready_at: float = 0.0
+    started: bool = False
+    writes_left: int = 0
+
+
+@dataclass
+class _RoomTx:
+    slot: int
+    items: list[_ItemTx]
+    receivers: set[str] = field(default_factory=set)
+    failing: bool = False
+    writes: list[_Write] = field(default_factory=list)
+
+
+class Sender:
+    def __init__(self, *, arena: Arena, engine, rooms: RoomTable, hidden: int, dtype: str,
+                 deepstack_width: int, bootstrap_timeout_s: float, max_held_allocs: int):
+        self.arena = arena
+        self.engine = engine
+        self.rooms = rooms
+        self.hidden = hidden
+        self.dtype = dtype
+        self.deepstack_width = deepstack_width
+        self.itemsize = protocol.DTYPES[dtype]
+        self.bootstrap_timeout_s = bootstrap_timeout_s
+        self.max_held_allocs = max_held_allocs
+        self.receivers: dict[str, Register] = {}
+        self.live: dict[int, _RoomTx] = {}
+        self.held: dict[int, list[tuple[float, Alloc]]] = {}  # allocs for rooms not opened here yet
+        self.n_held = 0
+        self.events: list[tuple] = []
+        self.dropped = Counter()
+        self.bytes_written = 0
+        self._logged: set[str] = set()
+
+    # ------------------------------------------------------------ inputs
+    def on_bootstrap(self, frame: bytes, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        try:
+            msg = protocol.decode(frame)
+            m = protocol.parse_bootstrap(msg)
+        except ProtocolError as e:
+            self._drop(f"bootstrap message: {e}")
+            return
+        if isinstance(m, Register):
+            self.receivers[m.receiver] = m
+            self.events.append(("register", m))
+        elif m.receiver not in self.receivers:
+            self._drop(f"{type(m).__name__.lower()} from unregistered receiver")
+        elif isinstance(m, Cancel):
+            self._on_cancel(m)
+        else:
+            self._on_alloc(m, now)
+
+    def on_opened(self, opened: RoomOpened) -> None:
+        entry = self.rooms.get(opened.slot)
+        if entry is None or entry.room != opened.room or entry.state >= RoomState.SUCCESS:
+            # Concluded before it reached us (failed elsewhere): answer what was held.
+            for _, a in self.held.pop(opened.room, []):
+                self.events.append(("late_alloc", opened.room, a.receiver))
+            self._recount_held()
+            return
+        self.live[opened.room] = _RoomTx(opened.slot, [_ItemTx(s) for s in opened.spans])
+        for arrival, a in self.held.pop(opened.room, []):
+            self.n_held -= 1
+            self._on_alloc(a, arrival)
+
+    def on_ready(self, r: ReadyItem, now: float | None = None) -> None:
+        """The sender now holds one reference on r.lease (given by the cache or the tower)."""
+        tx = self.live.get(r.room)
+        if tx is None or tx.failing or r.item >= len(tx.items) or tx.items[r.item].ready:
+            self._release(r)
+            return
+        it = tx.items[r.item]
+        it.ready = r
+        it.ready_at = time.monotonic() if now is None else now
+        self._maybe_start(r.room, tx, r.item)
+
+    # ------------------------------------------------------------ alloc rules
+    def _on_alloc(self, a: Alloc, arrival: float) -> None:
+        tx = self.live.get(a.room)
+        if tx is None:
+            slot = self.rooms.find(a.room)
+            entry = self.rooms.get(slot) if slot is not None else None
+            if entry is not None and entry.state in (RoomState.SUCCESS, RoomState.FAILED):
+                self.events.append(("late_alloc", a.room, a.receiver))
+                return
+            if self.n_held >= self.max_held_allocs:
+                self._drop("alloc for an unknown room: too many held (max_held_allocs)")
+                self.events.append(("unknown_room", a.room, a.receiver))
+                return
+            self.held.setdefault(a.room, []).append((arrival, a))
+            self.n_held += 1
+            return
+        tx.receivers.add(a.receiver)
+        if tx.failing:
+            return
+        problem = self._check_alloc(a, tx)
+        if problem:
+            self._fail(a.room, tx, problem)
+            return
+        it = tx.items[a.item]
+        it.allocs.append(a)
+        it.fanout = a.fanout
+        if len(it.allocs) == it.fanout:
+            problem = self._check_tiling(a.item, it)
+            if problem:
+                self._fail(a.room, tx, problem)
+                return
+            self._maybe_start(a.room, tx, a.item)
+
+    def _check_alloc(self, a: Alloc, tx: _RoomTx) -> str | None:
+        if a.item >= len(tx.items):
+            return f"alloc for item {a.item} but the room has {len(tx.items)} items"
+        it = tx.items[a.item]
+        if a.span != it.span:
+            return f"alloc for item {a.item} says span {a.span}; the worker's span is {it.span}"
+        if a.hidden != self.hidden:
+            return f"alloc for item {a.item} says hidden {a.hidden}; the embedding's is {self.hidden}"
+        if a.dtype != self.dtype:
+            return f"alloc for item {a.item} says dtype {a.dtype}; the embedding's is {self.dtype}"
+        if a.deepstack_width != self.deepstack_width:
+            return (f"alloc for item {a.item} says deepstack_width {a.deepstack_width}; "
+                    f"the embedding's is {self.deepstack_width}")
+        if it.allocs and a.fanout != it.fanout:
+            return f"allocs for item {a.item} disagree on fanout ({it.fanout} and {a.fanout})"
+        if len(it.allocs) >= a.fanout:
+            return f"more allocs for item {a.item} than its fanout {a.fanout}"
+        if a.row_start + a.n_rows > it.span:
+            return (f"alloc for item {a.item} takes rows [{a.row_start}, {a.row_start + a.n_rows}) "
+                    f"beyond the span {it.span}")
+        if a.n_rows and not a.dst:
+            return f"alloc for item {a.item} has rows but dst 0"
+        if a.n_rows and self.deepstack_width and not a.dst_deepstack:
+            return f"alloc for item {a.item} has rows but dst_deepstack 0 and the model has deepstack"
+        return None
+
+    @staticmethod
+    def _check_tiling(item: int, it: _ItemTx) -> str | None:
+        shards = sorted((a.row_start, a.n_rows) for a in it.allocs if a.n_rows)
+        pos = 0
+        for start, n in shards:
+            if start > pos:
+                return f"shards of item {item} leave rows [{pos}, {start}) unassigned"
+            if start < pos:
+                return f"shards of item {item} overlap at row {start}"
+            pos = start + n
+        if pos != it.span:
+            return f"shards of item {item} cover rows [0, {pos}) of a span of {it.span}"
+        return None
+
+    # ------------------------------------------------------------ writes
+    def _maybe_start(self, room: int, tx: _RoomTx, item: int) -> None:
+        it = tx.items[item]
+        if it.started or it.ready is None or not it.fanout or len(it.allocs) < it.fanout:
+            return
+        it.started = True
+        if not self.arena.valid(it.ready.lease):
+            self._fail(room, tx, "embedding was reclaimed before it could be sent")
+            return
+        self.rooms.advance(tx.slot, room, RoomState.TRANSFERRING, OWNER_SENDER)
+        base = self.arena.address + it.ready.lease.offset
+        main_row = self.hidden * self.itemsize
+        ds_row = self.deepstack_width * self.itemsize
+        ds_base = base + it.span * main_row
+        for a in it.allocs:
+            if not a.n_rows:
+                self.events.append(("success", room, item, a.receiver))
+                continue
+            srcs = [base + a.row_start * main_row]
+            dsts = [a.dst]
+            lens = [a.n_rows * main_row]
+            if ds_row:
+                srcs.append(ds_base + a.row_start * ds_row)
+                dsts.append(a.dst_deepstack)
+                lens.append(a.n_rows * ds_row)
+            session = self.receivers[a.receiver].session
+            try:
+                pending = self.engine.submit(session, srcs, dsts, lens)
+            except Exception as e:  # the transport names the cause
+                self._fail(room, tx, f"transfer to receiver {a.receiver} could not start: {e}")
+                return
+            tx.writes.append(_Write(item, a.receiver, pending))
+            it.writes_left += 1
+            self.bytes_written += sum(lens)
+        if not it.writes_left:
+            self._item_done(room, tx, item)
+
+    def _item_done(self, room: int, tx: _RoomTx, item: int) -> None:
+        it = tx.items[item]
+        self._release(it.ready)
+        it.ready = None
+        self.events.append(("item_done", tx.slot, room, item))
+
+    def poll(self, now: float | None = None) -> None:
+        """Collect finished writes; time out what waited too long for its allocs."""
+        for room, tx in list(self.live.items()):
+            if tx.writes:
+                self._poll_room(room, tx)
+        self._timeouts(time.monotonic() if now is None else now)
+
+    def busy(self) -> bool:
+        return any(tx.writes for tx in self.live.values())
+
+    def _poll_room(self, room: int, tx: _RoomTx) -> None:
+        still = []
+        for w in tx.writes:
+            ok = w.pending.poll()
+            if ok is None:
+                still.append(w)
+                continue
+            it = tx.items[w.item]
+            it.writes_left -= 1
+            if ok and not tx.failing:
+                self.events.append(("success", room, w.item, w.receiver))
+            elif not ok:
+                reason = getattr(w.pending, "error", "") or "write failed"
+                self._fail(room, tx, f"transfer to receiver {w.receiver} failed: {reason}")
+            if not it.writes_left and not tx.failing:
+                self._item_done(room, tx, w.item)
+        tx.writes = still
+        if tx.failing and not tx.writes:
+            self._conclude_fence(room, tx)
+
+    def _timeouts(self, now: float) -> None:
+        limit = now - self.bootstrap_timeout_s
+        for room, tx in list(self.live.items()):
+            if tx.failing:
+                continue
+            for i, it in enumerate(tx.items):
+                if it.ready is not None and not it.started and it.ready_at < limit:
+                    self._fail(room, tx, f"allocs for item {i} incomplete {self.bootstrap_timeout_s:g} s "
+                                         f"after its embedding was ready (bootstrap_timeout_s)")
+                    break
+        for room, held in list(self.held.items()):
+            keep = [(t, a) for t, a in held if t >= limit]
+            for t, a in held:
+                if t < limit:
+                    self.events.append(("unknown_room", room, a.receiver))
+            self.n_held -= len(held) - len(keep)
+            if keep:
+                self.held[room] = keep
+            else:
+                del self.held[room]
+
+    # ------------------------------------------------------------ failing
+    def _fail(self, room: int, tx: _RoomTx, reason: str) -> None:
+        if not tx.failing:
+            self.events.append(("fail", tx.slot, room, reason))
+            self.fence(room)
+
+    def fence(self, room: int) -> None:
+        """Stop the room: no new write starts; once none is in flight, report `fenced`."""
+        tx = self.live.get(room)
+        if tx is None:
+            receivers = sorted({a.receiver for _, a in self.held.pop(room, [])})
+            self._recount_held()
+            self.events.append(("fenced", room, receivers))
+            return
+        if not tx.failing:
+            tx.failing = True
+            for it in tx.items:
+                if it.ready is not None:
+                    self._release(it.ready)
+                    it.ready = None
+        if not tx.writes:
+            self._conclude_fence(room, tx)
+
+    def _conclude_fence(self, room: int, tx: _RoomTx) -> None:
+        self.events.append(("fenced", room, sorted(tx.receivers)))
+        del self.live[room]
+
+    def forget(self, room: int) -> None:
+        """The room concluded Success: drop what is left of it."""
+        tx = self.live.pop(room, None)
+        if tx is not None:
+            for it in tx.items:
+                if it.ready is not None:
+                    self._release(it.ready)
+
+    def _on_cancel(self, c: Cancel) -> None:
+        tx = self.live.get(c.room)
+        if tx is not None:
+            tx.receivers.add(c.receiver)
+            self._fail(c.room, tx, "canceled")
+        elif c.room in self.held:
+            self.events.append(("fail", None, c.room, "canceled"))
+        else:
+            self._drop("cancel of a room this worker does not hold")
+
+    def _recount_held(self) -> None:
+        self.n_held = sum(len(v) for v in self.held.values())
+
+    def _release(self, r: ReadyItem) -> None:
+        try:
+            self.arena.drop(r.lease, OWNER_SENDER)
+        except StaleLease:
+            pass
+
+    def _drop(self, reason: str) -> None:
+        self.dropped[reason] += 1
+        if reason not in self._logged:
+            self._logged.add(reason)
+            log.warning("dropped: %s", reason)
