@@ -454,6 +454,35 @@ class RoomTable:
 
         return bool(self._update(slot, room, change))
 
+    def hold(self, slot: int, room: int, bits: int) -> bool:
+        """Set custody ``bits`` in the owner field (a bit mask of holders); even when concluded."""
+        return self._change_bits(slot, room, lambda o: o | bits)
+
+    def unhold(self, slot: int, room: int, bits: int) -> bool:
+        """Clear custody ``bits`` in the owner field."""
+        return self._change_bits(slot, room, lambda o: o & ~bits)
+
+    def held_by(self, bits: int) -> list[RoomEntry]:
+        """Live entries whose owner field has any of ``bits``."""
+        st = self._active_states()
+        owners = np.where(self._seq & 1, self._owners[:, 1], self._owners[:, 0])
+        out = []
+        for slot in np.flatnonzero(((owners & bits) != 0) & (st > 0) & (st < RoomState.SUCCESS)).tolist():
+            e = self.get(slot)
+            if e is not None and e.owner & bits and e.live:
+                out.append(e)
+        return out
+
+    def _change_bits(self, slot: int, room: int, op) -> bool:
+        def change(f):
+            new = op(f[_OWNER])
+            if new == f[_OWNER]:
+                return True
+            f[_OWNER] = new
+            return f
+
+        return bool(self._update(slot, room, change))
+
     def item_done(self, slot: int, room: int) -> int:
         """Count one more item done; return the count (-1 if ``slot`` no longer holds ``room``).
 

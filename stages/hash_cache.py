@@ -7,7 +7,8 @@ import xxhash
 
 from ipc.arena import Arena, Lease, StaleLease
 from stages.cache import EmbeddingCache, InflightMisses
-from stages.records import OWNER_CACHE, OWNER_INTAKE, OWNER_SENDER, RoomFailure, ReadyItem, WorkItem
+from stages.base import Stage
+from stages.records import OWNER_CACHE, OWNER_INTAKE, OWNER_TOWER, RoomFailure, ReadyItem, WorkItem
 
 
 def content_hash(modality: str, grid_thw, pixel_dtype: str, pixels) -> int:
@@ -47,7 +48,7 @@ class HashCache:
         pixels were reclaimed from a dead intake; the caller fails the room."""
         self.pixel_arena.transfer(w.pixels, OWNER_INTAKE, OWNER_CACHE)
         w.key = self.key_of(w)
-        lease = self.cache.lookup(w.key, OWNER_SENDER)
+        lease = self.cache.lookup(w.key, OWNER_CACHE)
         if lease is not None:
             self._drop_pixels(w)
             return ReadyItem(w.slot, w.room, w.item, w.span, lease), None
@@ -57,34 +58,36 @@ class HashCache:
         return None, None
 
     def on_encoded(self, key: tuple, lease: Lease) -> list[ReadyItem]:
-        """The tower wrote `key`'s rows into `lease` (the caller keeps its own reference)."""
+        """The tower wrote `key`'s rows into `lease`. Each ReadyItem carries a reference of
+        this stage (OWNER_CACHE), which the sender takes over on receipt; the caller keeps
+        its own."""
         self.cache.insert(key, lease)
         ready = []
         for w in self.inflight.finish(key):
             self._drop_pixels(w)
             try:
-                self.cache.arena.addref(lease, OWNER_SENDER)
+                self.cache.arena.addref(lease, OWNER_CACHE)
             except StaleLease:
                 continue
             ready.append(ReadyItem(w.slot, w.room, w.item, w.span, lease))
         return ready
 
-    def on_encode_failed(self, key: tuple, reason: str,
-                         failed_rooms: set[int]) -> tuple[list[RoomFailure], WorkItem | None]:
-        """The encode of `key` failed. Waiters whose rooms failed with it fail; the first
-        of the others is encoded anew (the rest keep waiting on it)."""
-        failures, survivors = [], []
+    def on_encode_failed(self, key: tuple,
+                         failed_rooms: set[int]) -> tuple[list[WorkItem], WorkItem | None]:
+        """The encode of `key` failed. Waiters whose rooms failed with it are returned to be
+        failed; the first of the others is encoded anew (the rest keep waiting on it)."""
+        failed, survivors = [], []
         for w in self.inflight.abort(key):
             if w.room in failed_rooms:
                 self._drop_pixels(w)
-                failures.append(RoomFailure(w.slot, w.room, reason))
+                failed.append(w)
             else:
                 survivors.append(w)
         again = None
         for w in survivors:
             if self.inflight.begin(key, w):
                 again = w
-        return failures, again
+        return failed, again
 
     def forget_room(self, room: int) -> None:
         """A failed room's waiters stop waiting (their pixels are released)."""
@@ -106,3 +109,66 @@ class HashCache:
             self.pixel_arena.drop(w.pixels, OWNER_CACHE)
         except StaleLease:
             pass
+
+
+class CacheStage(Stage):
+    """Items from intake; encode results from the tower; failed rooms from the reaper."""
+
+    name = "cache"
+    owner = OWNER_CACHE
+
+    def __init__(self, emit, hash_cache: HashCache, emb_arena: Arena, custody=None):
+        super().__init__(emit, custody)
+        self.hc = hash_cache
+        self.emb_arena = emb_arena
+
+    def handle(self, source: str, rec) -> None:
+        if source == "intake":
+            self._item(rec)
+        elif source == "tower":
+            self._encoded(rec)
+        elif source == "reaper":
+            self.hc.forget_room(rec[1])
+            self.custody.forget(rec[1])
+        else:
+            raise ValueError(f"cache: unexpected source {source!r}")
+
+    def _item(self, w: WorkItem) -> None:
+        self.custody.hold(w.slot, w.room)
+        try:
+            ready, miss = self.hc.on_item(w)
+        except StaleLease:
+            self.emit("reaper", RoomFailure(w.slot, w.room, "pixels were lost before hashing (intake died)"))
+            self.custody.release(w.slot, w.room)
+            return
+        if ready is not None:
+            self.emit("sender", ready)
+            self.custody.release(w.slot, w.room)
+        elif miss is not None:
+            self.emit("scheduler", miss)
+            self.custody.release(w.slot, w.room)
+        # else: waits, in our custody, for the identical item in flight
+
+    def _encoded(self, rec) -> None:
+        kind, w = rec[0], rec[1]
+        if kind == "encoded":
+            try:
+                self.emb_arena.transfer(w.out, OWNER_TOWER, OWNER_CACHE)
+            except StaleLease:
+                kind, rec = "failed", ("failed", w, "embedding was lost (tower died)", {w.room})
+        if kind == "encoded":
+            for ready in self.hc.on_encoded(w.key, w.out):
+                self.emit("sender", ready)
+                if (ready.room, ready.item) != (w.room, w.item):  # waiters were ours
+                    self.custody.release(ready.slot, ready.room)
+            self.emb_arena.drop(w.out, OWNER_CACHE)
+            return
+        _, w, reason, failed_rooms = rec
+        failed, again = self.hc.on_encode_failed(w.key, failed_rooms)
+        for f in failed:
+            self.emit("reaper", RoomFailure(f.slot, f.room, reason))
+            if (f.room, f.item) != (w.room, w.item):
+                self.custody.release(f.slot, f.room)
+        if again is not None:
+            self.emit("scheduler", again)
+            self.custody.release(again.slot, again.room)

@@ -13,6 +13,7 @@ from ipc.arena import Arena, Lease
 from ipc.rooms import RoomState, RoomTable, TableFull
 from pipeline import protocol
 from pipeline.protocol import ProtocolError
+from stages.base import Stage
 from stages.records import OWNER_INTAKE, RoomFailure, RoomOpened, WorkItem
 
 log = logging.getLogger("epd.intake")
@@ -158,7 +159,7 @@ class Intake:
 
         deadline = arrival + req.deadline_ms / 1000.0 if req.deadline_ms else 0.0
         try:
-            slot = self.rooms.insert(room, req.request_id, len(req.items), OWNER_INTAKE,
+            slot = self.rooms.insert(room, req.request_id, len(req.items), 1 << OWNER_INTAKE,
                                      deadline=deadline, state=RoomState.BOOTSTRAPPING)
         except TableFull as e:
             for lease in leases:
@@ -204,7 +205,61 @@ class Intake:
         self.failed[reason.split(":")[0][:60]] += 1
         self._log_once(f"room {room} ({rid!r}) failed at intake: {reason}")
         try:
-            slot = self.rooms.insert(room, rid or "?", 0, OWNER_INTAKE)
+            slot = self.rooms.insert(room, rid or "?", 0, 1 << OWNER_INTAKE)
         except TableFull as e:
             return self._drop(f"room table full: {e}")
         return IntakeResult(failure=RoomFailure(slot, room, reason))
+
+
+class IntakeStage(Stage):
+    """Frames from the intake socket in; rooms to the reaper and sender, items to the cache.
+
+    `journal(names)` (set by the pipeline host) records the segment names of the
+    frame being handled, so that if this process dies mid-frame the supervisor can
+    unlink the segments it was about to take.
+    """
+
+    name = "intake"
+    owner = OWNER_INTAKE
+
+    def __init__(self, emit, intake: Intake, custody=None, journal=None):
+        super().__init__(emit, custody)
+        self.intake = intake
+        self.journal = journal
+        self.stalled: tuple[bytes, float] | None = None
+
+    def accepting(self) -> bool:
+        return self.stalled is None
+
+    def handle(self, source: str, frame) -> None:
+        self._handle(frame, time.monotonic())
+
+    def _handle(self, frame: bytes, arrival: float) -> None:
+        if self.journal is not None:
+            self.journal(frame)
+        res = self.intake.handle(frame, arrival)
+        if res.stalled:
+            self.stalled = (frame, arrival)
+            return
+        if res.failure is not None:
+            self.emit("reaper", res.failure)
+            self.custody.release(res.failure.slot, res.failure.room)
+        elif res.opened is not None:
+            o = res.opened
+            self.emit("reaper", o)
+            self.emit("sender", o)
+            for w in res.items:
+                self.emit("cache", w)
+            self.intake.rooms.advance(o.slot, o.room, RoomState.QUEUED)
+            self.custody.release(o.slot, o.room)
+        if self.journal is not None:
+            self.journal(None)
+
+    def tick(self, now: float) -> None:
+        if self.stalled is not None:
+            frame, arrival = self.stalled
+            self.stalled = None
+            self._handle(frame, arrival)
+
+    def busy(self) -> bool:
+        return self.stalled is not None

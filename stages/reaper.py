@@ -17,6 +17,7 @@ import zmq
 
 from ipc.rooms import RoomState, RoomTable, TableFull
 from pipeline import protocol
+from stages.base import Stage
 from stages.records import OWNER_REAPER, RoomFailure, RoomOpened
 
 log = logging.getLogger("epd.reaper")
@@ -64,9 +65,10 @@ class StatusPusher:
 
 @dataclass
 class _Told:
-    """What the receivers of one room have been told."""
+    """What the receivers of one room have been told, and who has allocated for it."""
     success: dict[str, set[int]] = field(default_factory=dict)
     failed: set[str] = field(default_factory=set)
+    known: set[str] = field(default_factory=set)
 
 
 class Reaper:
@@ -84,6 +86,7 @@ class Reaper:
         self.reasons: dict[int, str] = {}        # failed rooms awaiting their fence
         self.deadlines: list[tuple[float, int, int]] = []
         self.tombstones: OrderedDict[int, tuple[float, int]] = OrderedDict()  # room -> (concluded, slot)
+        self.registrations: dict = {}
         self.outcomes = Counter()
         self.conclusions: list[tuple[int, str, str]] = []  # (room, "success"|"failed", reason), for callers
 
@@ -96,7 +99,10 @@ class Reaper:
     def on_event(self, ev: tuple) -> None:
         kind = ev[0]
         if kind == "register":
+            self.registrations[ev[1].receiver] = ev[1]
             self.pusher.register(ev[1].receiver, ev[1].status)
+        elif kind == "alloc_seen":
+            self.told.setdefault(ev[1], _Told()).known.add(ev[2])
         elif kind == "success":
             _, room, item, receiver = ev
             told = self.told.setdefault(room, _Told())
@@ -121,7 +127,8 @@ class Reaper:
             if reason is None:
                 entry = self._entry(room)
                 reason = entry.reason if entry else "room failed"
-            for r in receivers:
+            known = self.told.get(room, _Told()).known
+            for r in sorted(set(receivers) | known):
                 self._tell_failed(room, r, reason)
         elif kind in ("late_alloc", "unknown_room"):
             _, room, receiver = ev
@@ -195,3 +202,73 @@ class Reaper:
         self.tombstones[room] = (time.monotonic(), slot)
         if outcome == "failed":
             log.info("room %d failed: %s", room, reason)
+
+
+class ReaperStage(Stage):
+    """Sender events, opened and failed rooms, and the supervisor's news in; orders out."""
+
+    name = "reaper"
+    owner = OWNER_REAPER
+
+    def __init__(self, emit, *, rooms: RoomTable, pusher: StatusPusher, tombstone_ttl_s: float,
+                 max_tombstones: int, custody=None):
+        super().__init__(emit, custody)
+        self.reaper = Reaper(rooms=rooms, pusher=pusher,
+                             fence=lambda room: self.emit("sender", ("fence", room)),
+                             forget=lambda room: self.emit("sender", ("forget", room)),
+                             tombstone_ttl_s=tombstone_ttl_s, max_tombstones=max_tombstones)
+        self.on_conclusion = None  # a hook for hosts that watch rooms conclude
+
+    def recover(self) -> None:
+        """A restarted reaper: pick up deadlines and tombstones from the room table."""
+        r = self.reaper
+        for e in r.rooms.entries():
+            if e.state < RoomState.SUCCESS:
+                r.told.setdefault(e.room, _Told())
+                if e.deadline:
+                    heapq.heappush(r.deadlines, (e.deadline, e.slot, e.room))
+            else:
+                r.tombstones[e.room] = (e.concluded, e.slot)
+        r.tombstones = OrderedDict(sorted(r.tombstones.items(), key=lambda kv: kv[1][0]))
+
+    def handle(self, source: str, rec) -> None:
+        r = self.reaper
+        if source == "sender":
+            r.on_event(rec)
+        elif isinstance(rec, RoomOpened):
+            r.on_opened(rec)
+        elif isinstance(rec, RoomFailure):
+            r.fail(rec)
+        elif source == "supervisor":
+            kind = rec[0]
+            if kind == "stage_died":
+                _, stage, rooms = rec
+                for slot, room in rooms:
+                    r.fail(RoomFailure(slot, room, f"the {stage} stage died while it held this room"))
+                    if stage == "sender":
+                        # Its process is gone, and its writes with it: that is the fence.
+                        r.on_event(("fenced", room, []))
+            elif kind == "sender_restarted":
+                for reg in r.registrations.values():
+                    self.emit("sender", ("register", reg))
+        else:
+            raise ValueError(f"reaper: unexpected record from {source!r}: {rec!r}")
+        self._after()
+
+    def tick(self, now: float) -> None:
+        self.reaper.tick(now)
+        self._after()
+
+    def _after(self) -> None:
+        r = self.reaper
+        if r.conclusions:
+            for room, outcome, _ in r.conclusions:
+                if outcome == "failed":
+                    self.emit("cache", ("forget_room", room))
+                    self.emit("scheduler", ("remove_room", room))
+            if self.on_conclusion is not None:
+                self.on_conclusion(r.conclusions)
+            r.conclusions = []
+
+    def close(self) -> None:
+        self.reaper.pusher.close()

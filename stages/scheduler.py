@@ -130,3 +130,91 @@ class Scheduler:
 
     def __bool__(self) -> bool:
         return bool(self._heap)
+
+
+class SchedulerStage:
+    """Misses from the cache in; batches to the tower, at most `depth` outstanding.
+
+    The tower hands a credit back for every batch it finishes, so batches wait here
+    (FIFO, their output space not yet reserved) rather than in the tower's ring.
+    """
+
+    name = "scheduler"
+
+    def __init__(self, emit, scheduler: Scheduler, *, pixel_arena, emb_arena, entry_bytes,
+                 owner: int, prev_owner: int, custody, depth: int = 2):
+        from stages.base import Custody
+
+        self.emit = emit
+        self.scheduler = scheduler
+        self.pixel_arena = pixel_arena
+        self.emb_arena = emb_arena
+        self.entry_bytes = entry_bytes  # span -> bytes of the item's rows
+        self.owner = owner
+        self.prev_owner = prev_owner
+        self.custody = custody or Custody()
+        self.credits = depth
+
+    def handle(self, source: str, rec) -> None:
+        from ipc.arena import StaleLease
+        from stages.records import RoomFailure
+
+        if source == "cache":
+            w = rec
+            self.custody.hold(w.slot, w.room)
+            try:
+                self.pixel_arena.transfer(w.pixels, self.prev_owner, self.owner)
+            except StaleLease:
+                self.emit("reaper", RoomFailure(w.slot, w.room, "pixels were lost before scheduling (cache died)"))
+                self.custody.release(w.slot, w.room)
+                return
+            self.scheduler.add(Pending(w.seq, w.room, w.item, w.span, w))
+        elif source == "tower":
+            self.credits += 1
+        elif source == "reaper":
+            room = rec[1]
+            for p in self.scheduler.remove_room(room):
+                self._drop(p.payload)
+            self.custody.forget(room)
+        else:
+            raise ValueError(f"scheduler: unexpected source {source!r}")
+
+    def _drop(self, w) -> None:
+        from ipc.arena import StaleLease
+
+        for arena, lease in ((self.pixel_arena, w.pixels), (self.emb_arena, w.out)):
+            if lease is not None:
+                try:
+                    arena.drop(lease, self.owner)
+                except StaleLease:
+                    pass
+
+    def _reserve(self, batch: list[Pending]) -> bool:
+        taken = []
+        for p in batch:
+            lease = self.emb_arena.alloc(self.entry_bytes(p.span), self.owner)
+            if lease is None:
+                for w in taken:
+                    self.emb_arena.drop(w.out, self.owner)
+                    w.out = None
+                return False
+            p.payload.out = lease
+            taken.append(p.payload)
+        return True
+
+    def tick(self, now: float) -> None:
+        while self.credits > 0:
+            batch = self.scheduler.next_batch(self._reserve)
+            if not batch:
+                return
+            self.credits -= 1
+            items = [p.payload for p in batch]
+            self.emit("tower", items)
+            for w in items:
+                self.custody.release(w.slot, w.room)
+
+    def busy(self) -> bool:
+        return self.credits > 0 and len(self.scheduler) > 0
+
+    def close(self) -> None:
+        pass

@@ -12,6 +12,8 @@ Events (tuples) to the reaper:
   ("fenced", room, [receivers])                no write for the room is in flight or can start
   ("late_alloc", room, receiver)               alloc for a room that is already concluded
   ("unknown_room", room, receiver)             allocs held bootstrap_timeout_s for a room never seen
+  ("alloc_seen", room, receiver)               first alloc of a receiver for a live room (so the
+                                               reaper can tell it `failed` even if this process dies)
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from ipc.arena import Arena, StaleLease
 from ipc.rooms import RoomState, RoomTable
 from pipeline import protocol
 from pipeline.protocol import Alloc, Cancel, ProtocolError, Register
-from stages.records import OWNER_SENDER, ReadyItem, RoomOpened
+from stages.base import Stage
+from stages.records import OWNER_CACHE, OWNER_SENDER, ReadyItem, RoomOpened
 
 log = logging.getLogger("epd.sender")
 
@@ -110,7 +113,14 @@ class Sender:
             self._on_alloc(a, arrival)
 
     def on_ready(self, r: ReadyItem, now: float | None = None) -> None:
-        """The sender now holds one reference on r.lease (given by the cache or the tower)."""
+        """Takes over the cache stage's reference on r.lease."""
+        try:
+            self.arena.transfer(r.lease, OWNER_CACHE, OWNER_SENDER)
+        except StaleLease:
+            tx = self.live.get(r.room)
+            if tx is not None:
+                self._fail(r.room, tx, "embedding was lost before it could be sent (cache died)")
+            return
         tx = self.live.get(r.room)
         if tx is None or tx.failing or r.item >= len(tx.items) or tx.items[r.item].ready:
             self._release(r)
@@ -136,7 +146,9 @@ class Sender:
             self.held.setdefault(a.room, []).append((arrival, a))
             self.n_held += 1
             return
-        tx.receivers.add(a.receiver)
+        if a.receiver not in tx.receivers:
+            tx.receivers.add(a.receiver)
+            self.events.append(("alloc_seen", a.room, a.receiver))
         if tx.failing:
             return
         problem = self._check_alloc(a, tx)
@@ -325,7 +337,6 @@ class Sender:
     def _on_cancel(self, c: Cancel) -> None:
         tx = self.live.get(c.room)
         if tx is not None:
-            tx.receivers.add(c.receiver)
             self._fail(c.room, tx, "canceled")
         elif c.room in self.held:
             self.events.append(("fail", None, c.room, "canceled"))
@@ -346,3 +357,61 @@ class Sender:
         if reason not in self._logged:
             self._logged.add(reason)
             log.warning("dropped: %s", reason)
+
+
+class SenderStage(Stage):
+    """Bootstrap frames, opened rooms, ready items and the reaper's orders in; events out."""
+
+    name = "sender"
+    owner = OWNER_SENDER
+
+    def __init__(self, emit, sender: Sender, custody=None):
+        super().__init__(emit, custody)
+        self.sender = sender
+
+    def handle(self, source: str, rec) -> None:
+        s = self.sender
+        if source == "socket":
+            s.on_bootstrap(rec)
+        elif source == "intake":
+            s.on_opened(rec)
+            if rec.room in s.live:
+                self.custody.hold(rec.slot, rec.room)
+        elif source == "cache":
+            s.on_ready(rec)
+        elif source == "reaper":
+            kind = rec[0]
+            if kind == "fence":
+                s.fence(rec[1])
+            elif kind == "forget":
+                tx = s.live.get(rec[1])
+                s.forget(rec[1])
+                if tx is not None:
+                    self.custody.release(tx.slot, rec[1])
+            elif kind == "register":
+                s.receivers[rec[1].receiver] = rec[1]
+        else:
+            raise ValueError(f"sender: unexpected source {source!r}")
+        self._flush_events()
+
+    def tick(self, now: float) -> None:
+        self.sender.poll(now)
+        self._flush_events()
+
+    def _flush_events(self) -> None:
+        s = self.sender
+        while s.events:
+            events, s.events = s.events, []
+            for ev in events:
+                self.emit("reaper", ev)
+                if ev[0] == "fenced":
+                    slot = self.custody_slots.get(ev[1])
+                    if slot is not None:
+                        self.custody.release(slot, ev[1])
+
+    @property
+    def custody_slots(self) -> dict:
+        return getattr(self.custody, "slots", {})
+
+    def busy(self) -> bool:
+        return self.sender.busy()

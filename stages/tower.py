@@ -838,3 +838,122 @@ def build_tower(name: str, **settings: Any) -> Tower:
     except KeyError:
         raise ValueError(f"unknown tower {name!r}; choose one of {sorted(_TOWERS)}") from None
     return cls(**settings)
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+class TowerStage:
+    """Batches from the scheduler in; each item's result to the cache, a credit back.
+
+    Jobs start as batches arrive (an asynchronous device queues them); results go
+    out in order as jobs finish. Pixels are dropped once the batch is done; the
+    item's output lease travels on to the cache, which takes it over.
+    """
+
+    name = "tower"
+
+    def __init__(self, emit, tower: Tower, *, pixel_arena, emb_arena, rooms, owner: int,
+                 prev_owner: int, custody=None):
+        from stages.base import Custody
+
+        self.emit = emit
+        self.tower = tower
+        self.pixel_arena = pixel_arena
+        self.emb_arena = emb_arena
+        self.rooms = rooms
+        self.owner = owner
+        self.prev_owner = prev_owner
+        self.custody = custody or Custody()
+        self.jobs: list[tuple[TowerJob, list]] = []
+        self.batches = 0
+        self.items = 0
+
+    def handle(self, source: str, batch) -> None:
+        from ipc.arena import StaleLease
+        from ipc.rooms import RoomState
+        from stages.records import RoomFailure
+
+        if source != "scheduler":
+            raise ValueError(f"tower: unexpected source {source!r}")
+        spec = self.tower.spec
+        live, items, outs = [], [], []
+        for w in batch:
+            self.custody.hold(w.slot, w.room)
+            try:
+                self.pixel_arena.transfer(w.pixels, self.prev_owner, self.owner)
+                self.emb_arena.transfer(w.out, self.prev_owner, self.owner)
+                px = np.frombuffer(self.pixel_arena.view(w.pixels), dtype=numpy_dtype(w.pixel_dtype))
+                flat = np.frombuffer(self.emb_arena.view(w.out), dtype=spec.np_dtype)
+            except StaleLease:
+                self._drop(w)
+                self.emit("reaper", RoomFailure(w.slot, w.room, "pixels or output space lost (scheduler died)"))
+                self.custody.release(w.slot, w.room)
+                continue
+            items.append(TowerItem(w.modality, [tuple(g) for g in w.grid_thw],
+                                   px.reshape(w.n_patches, w.patch_dim)))
+            main = flat[: w.span * spec.hidden].reshape(w.span, spec.hidden)
+            deep = (flat[w.span * spec.hidden:].reshape(w.span, spec.deepstack_width)
+                    if spec.deepstack_width else None)
+            outs.append((main, deep))
+            live.append(w)
+            self.rooms.advance(w.slot, w.room, RoomState.ENCODING)
+        if not live:
+            self.emit("scheduler", ("credit",))
+            return
+        self.batches += 1
+        self.items += len(live)
+        try:
+            job = self.tower.start(items, outs)
+        except TowerError as e:
+            job = _DoneJob(e)
+        self.jobs.append((job, live))
+
+    def tick(self, now: float) -> None:
+        while self.jobs and self.jobs[0][0].done():
+            job, batch = self.jobs.pop(0)
+            try:
+                job.result()
+                error = None
+            except TowerError as e:
+                error = f"tower failed: {e}"
+            rooms = {w.room for w in batch}
+            for w in batch:
+                self.pixel_arena.drop(w.pixels, self.owner)
+                w.pixels = None
+                if error is None:
+                    self.emit("cache", ("encoded", w))
+                else:
+                    self.emb_arena.drop(w.out, self.owner)
+                    w.out = None
+                    self.emit("cache", ("failed", w, error, rooms))
+                self.custody.release(w.slot, w.room)
+            self.emit("scheduler", ("credit",))
+
+    def busy(self) -> bool:
+        return bool(self.jobs)
+
+    def next_done_in(self) -> float | None:
+        """Seconds until the oldest job may be done, when the tower can tell (sim)."""
+        if self.jobs and isinstance(self.jobs[0][0], _TimedJob):
+            return max(0.0, self.jobs[0][0].ready_at - time.monotonic())
+        return None
+
+    def _drop(self, w) -> None:
+        from ipc.arena import StaleLease
+
+        for arena, lease in ((self.pixel_arena, w.pixels), (self.emb_arena, w.out)):
+            for owner in (self.owner, self.prev_owner):
+                try:
+                    arena.drop(lease, owner)
+                    break
+                except StaleLease:
+                    continue
+
+    def close(self) -> None:
+        for job, _ in self.jobs:
+            try:
+                job.result(timeout=10)
+            except Exception:
+                pass
+        self.tower.close()

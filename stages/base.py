@@ -1,0 +1,104 @@
+"""What every stage is: a plain object that takes records in and hands records out.
+
+A host moves the records. The in-process host (pipeline/worker.py) calls the
+stages one after another in one loop; the pipeline host (pipeline/stage_host.py)
+runs one stage per process and moves records over shared-memory rings. A stage
+never knows which.
+
+Custody: while a stage holds any item of a room, its bit is set in the room's
+entry of the room table, so the supervisor can fail exactly the rooms a dead
+stage held. A record in a ring belongs to nobody (the ring outlives both ends):
+a consumer takes custody before it releases the record from its ring, and a
+producer gives custody up after the record is pushed.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Callable
+
+from ipc.rooms import RoomTable
+
+
+class Custody:
+    """Does nothing: in one process nobody dies alone."""
+
+    def hold(self, slot: int, room: int) -> None:
+        pass
+
+    def release(self, slot: int, room: int) -> None:
+        pass
+
+    def forget(self, room: int) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+class TableCustody(Custody):
+    """Counts the items of each room this stage holds; sets its bit on 0 -> 1, clears it on 1 -> 0."""
+
+    def __init__(self, rooms: RoomTable, owner: int):
+        self.rooms = rooms
+        self.bit = 1 << owner
+        self.count: Counter = Counter()
+        self.slots: dict[int, int] = {}
+        self.deferred: list[tuple[int, int]] = []
+
+    def hold(self, slot: int, room: int) -> None:
+        if self.count[room] == 0:
+            self.rooms.hold(slot, room, self.bit)
+            self.slots[room] = slot
+        self.count[room] += 1
+
+    def release(self, slot: int, room: int) -> None:
+        """One item handed on. A room this stage never held by count (intake's, whose bit
+        the table insert set) is released at once."""
+        n = self.count.get(room, 0)
+        if n > 1:
+            self.count[room] = n - 1
+            return
+        self.count.pop(room, None)
+        self.slots.pop(room, None)
+        self.deferred.append((slot, room))
+
+    def forget(self, room: int) -> None:
+        if self.count.pop(room, 0):
+            self.deferred.append((self.slots.pop(room), room))
+
+    def flush(self) -> None:
+        """Clear the bits of rooms handed on, once the host has pushed what was emitted:
+        until then a death here must still fail them."""
+        for slot, room in self.deferred:
+            if room not in self.count:  # not taken up again meanwhile
+                self.rooms.unhold(slot, room, self.bit)
+        self.deferred.clear()
+
+
+class Stage:
+    """A stage: `handle` records from its sources, `tick` for timers and polling."""
+
+    name = ""
+    owner = 0
+
+    def __init__(self, emit: Callable[[str, object], None], custody: Custody | None = None):
+        self.emit = emit
+        self.custody = custody or Custody()
+
+    def handle(self, source: str, record) -> None:
+        raise NotImplementedError
+
+    def tick(self, now: float) -> None:
+        pass
+
+    def busy(self) -> bool:
+        """True while the stage has work that needs `tick` soon (writes, tower jobs)."""
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+def now() -> float:
+    return time.monotonic()
