@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ipc import shm
 
@@ -32,6 +32,7 @@ class WorkerConfig:
     sim_patch: int = 14
     sim_temporal_patch: int = 2
     sim_time_per_row_s: float = 2e-6
+    sim_fail_batches: int = 0  # fault injection: the sim tower fails its first N batches
     max_items_per_request: int = 64
     max_pixel_bytes_per_request: int = 256 << 20
     max_tokens_per_batch: int = 4096
@@ -48,6 +49,13 @@ class WorkerConfig:
     max_held_allocs: int = 65536
     write_timeout_s: float = 30.0
     status_hwm: int = 10000
+    # the multi-process pipeline
+    ring_bytes: int = 8 << 20
+    heartbeat_timeout_s: float = 30.0
+    restart_limit: int = 5          # more than this many restarts ...
+    restart_window_s: float = 30.0  # ... within this window ends the run
+    drain_timeout_s: float = 10.0
+    start_timeout_s: float = 300.0
 
     def resolved(self) -> "WorkerConfig":
         c = dataclasses.replace(self)
@@ -66,15 +74,17 @@ class WorkerConfig:
             "max_items_per_request", "max_pixel_bytes_per_request", "max_tokens_per_batch",
             "max_items_per_batch", "pixel_arena_bytes", "embedding_arena_bytes",
             "max_tombstones", "max_live_rooms", "max_held_allocs", "sim_hidden", "sim_merge",
-            "sim_patch", "sim_temporal_patch", "status_hwm",
+            "sim_patch", "sim_temporal_patch", "status_hwm", "ring_bytes", "restart_limit",
         ]
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ["bootstrap_timeout_s", "tombstone_ttl_s", "write_timeout_s"]:
+        for name in ["bootstrap_timeout_s", "tombstone_ttl_s", "write_timeout_s", "heartbeat_timeout_s",
+                     "restart_window_s", "start_timeout_s"]:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ["arena_cache_bytes", "host_cache_bytes", "sim_deepstack_width", "sim_time_per_row_s"]:
+        for name in ["arena_cache_bytes", "host_cache_bytes", "sim_deepstack_width", "sim_time_per_row_s",
+                     "drain_timeout_s", "sim_fail_batches"]:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.arena_cache_bytes > self.embedding_arena_bytes // 2:
@@ -104,6 +114,7 @@ class WorkerConfig:
                 hidden=self.sim_hidden, deepstack_width=self.sim_deepstack_width,
                 dtype=self.sim_dtype, merge=self.sim_merge, patch=self.sim_patch,
                 temporal_patch=self.sim_temporal_patch, time_per_row_s=self.sim_time_per_row_s,
+                fail_batches=self.sim_fail_batches,
             )
         settings = {}
         if os.path.isdir(self.tower_config):

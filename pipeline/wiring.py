@@ -21,7 +21,8 @@ OWNERS = {"intake": OWNER_INTAKE, "cache": OWNER_CACHE, "scheduler": OWNER_SCHED
 
 # (producer, consumer): one single-producer single-consumer ring each.
 EDGES = [
-    ("intake", "cache"), ("intake", "sender"), ("intake", "reaper"),
+    # intake's rooms go out before its items, so they are first to arrive where they can
+    ("intake", "sender"), ("intake", "reaper"), ("intake", "cache"),
     ("cache", "scheduler"), ("cache", "sender"), ("cache", "reaper"),
     ("scheduler", "tower"), ("scheduler", "reaper"),
     ("tower", "cache"), ("tower", "scheduler"), ("tower", "reaper"),

@@ -148,18 +148,10 @@ class Worker:
 
     # ------------------------------------------------------------ state
     def stats(self) -> dict:
-        return {
-            "rooms": dict(self.reaper.outcomes),
-            "intake_dropped": dict(self.intake.dropped),
-            "intake_failed": dict(self.intake.failed),
-            "sender_dropped": dict(self.sender.dropped),
-            "cache": self.cache.stats(),
-            "dedup_hits": self.hash_cache.dedup_hits,
-            "tower_batches": self.tower_batches,
-            "tower_items": self.tower_items,
-            "status_undelivered": self.reaper.pusher.undelivered,
-            "bytes_written": self.sender.bytes_written,
-        }
+        out = {}
+        for stage in self.stages.values():
+            out.update(stage.stats())
+        return out
 
     def idle(self) -> bool:
         return not self.queue and not any(s.busy() for s in self.stages.values()) \

@@ -96,6 +96,10 @@ class Stage:
         """True while the stage has work that needs `tick` soon (writes, tower jobs)."""
         return False
 
+    def stats(self) -> dict:
+        """Counters, merged with the other stages' into the worker's stats."""
+        return {}
+
     def close(self) -> None:
         pass
 

@@ -133,6 +133,12 @@ class CacheStage(Stage):
         else:
             raise ValueError(f"cache: unexpected source {source!r}")
 
+    def stats(self) -> dict:
+        return {"cache": self.hc.cache.stats(), "dedup_hits": self.hc.dedup_hits}
+
+    def close(self) -> None:
+        self.hc.cache.clear()
+
     def _item(self, w: WorkItem) -> None:
         self.custody.hold(w.slot, w.room)
         try:

@@ -263,3 +263,6 @@ class IntakeStage(Stage):
 
     def busy(self) -> bool:
         return self.stalled is not None
+
+    def stats(self) -> dict:
+        return {"intake_dropped": dict(self.intake.dropped), "intake_failed": dict(self.intake.failed)}

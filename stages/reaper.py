@@ -241,11 +241,11 @@ class ReaperStage(Stage):
             r.fail(rec)
         elif source == "supervisor":
             kind = rec[0]
-            if kind == "stage_died":
-                _, stage, rooms = rec
+            if kind == "fail_rooms":
+                _, rooms, reason, sender_dead = rec
                 for slot, room in rooms:
-                    r.fail(RoomFailure(slot, room, f"the {stage} stage died while it held this room"))
-                    if stage == "sender":
+                    r.fail(RoomFailure(slot, room, reason))
+                    if sender_dead:
                         # Its process is gone, and its writes with it: that is the fence.
                         r.on_event(("fenced", room, []))
             elif kind == "sender_restarted":
@@ -269,6 +269,9 @@ class ReaperStage(Stage):
             if self.on_conclusion is not None:
                 self.on_conclusion(r.conclusions)
             r.conclusions = []
+
+    def stats(self) -> dict:
+        return {"rooms": dict(self.reaper.outcomes), "status_undelivered": self.reaper.pusher.undelivered}
 
     def close(self) -> None:
         self.reaper.pusher.close()

@@ -216,5 +216,8 @@ class SchedulerStage:
     def busy(self) -> bool:
         return self.credits > 0 and len(self.scheduler) > 0
 
+    def stats(self) -> dict:
+        return {"scheduler_pending": len(self.scheduler)}
+
     def close(self) -> None:
         pass

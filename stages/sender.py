@@ -74,6 +74,7 @@ class Sender:
         self.receivers: dict[str, Register] = {}
         self.live: dict[int, _RoomTx] = {}
         self.held: dict[int, list[tuple[float, Alloc]]] = {}  # allocs for rooms not opened here yet
+        self.early: dict[int, list[ReadyItem]] = {}  # items that overtook their room's RoomOpened
         self.n_held = 0
         self.events: list[tuple] = []
         self.dropped = Counter()
@@ -105,12 +106,16 @@ class Sender:
             # Concluded before it reached us (failed elsewhere): answer what was held.
             for _, a in self.held.pop(opened.room, []):
                 self.events.append(("late_alloc", opened.room, a.receiver))
+            for r in self.early.pop(opened.room, []):
+                self._release(r)
             self._recount_held()
             return
         self.live[opened.room] = _RoomTx(opened.slot, [_ItemTx(s) for s in opened.spans])
         for arrival, a in self.held.pop(opened.room, []):
             self.n_held -= 1
             self._on_alloc(a, arrival)
+        for r in self.early.pop(opened.room, []):
+            self._adopt(r)
 
     def on_ready(self, r: ReadyItem, now: float | None = None) -> None:
         """Takes over the cache stage's reference on r.lease."""
@@ -122,7 +127,19 @@ class Sender:
                 self._fail(r.room, tx, "embedding was lost before it could be sent (cache died)")
             return
         tx = self.live.get(r.room)
-        if tx is None or tx.failing or r.item >= len(tx.items) or tx.items[r.item].ready:
+        if tx is None:
+            # The room's RoomOpened comes on another ring and may still be on its way.
+            entry = self.rooms.get(r.slot)
+            if entry is not None and entry.room == r.room and entry.state < RoomState.SUCCESS:
+                self.early.setdefault(r.room, []).append(r)
+            else:
+                self._release(r)
+            return
+        self._adopt(r, now)
+
+    def _adopt(self, r: ReadyItem, now: float | None = None) -> None:
+        tx = self.live[r.room]
+        if tx.failing or r.item >= len(tx.items) or tx.items[r.item].ready:
             self._release(r)
             return
         it = tx.items[r.item]
@@ -310,6 +327,8 @@ class Sender:
         tx = self.live.get(room)
         if tx is None:
             receivers = sorted({a.receiver for _, a in self.held.pop(room, [])})
+            for r in self.early.pop(room, []):
+                self._release(r)
             self._recount_held()
             self.events.append(("fenced", room, receivers))
             return
@@ -374,15 +393,24 @@ class SenderStage(Stage):
         if source == "socket":
             s.on_bootstrap(rec)
         elif source == "intake":
+            early = len(s.early.get(rec.room, ()))
             s.on_opened(rec)
             if rec.room in s.live:
                 self.custody.hold(rec.slot, rec.room)
+            for _ in range(early):  # now covered by the room, or released with it
+                self.custody.release(rec.slot, rec.room)
         elif source == "cache":
             s.on_ready(rec)
+            if rec in s.early.get(rec.room, ()):  # held until its room arrives: ours meanwhile
+                self.custody.hold(rec.slot, rec.room)
         elif source == "reaper":
             kind = rec[0]
             if kind == "fence":
+                early = s.early.get(rec[1], [])
+                slot = early[0].slot if early else None
                 s.fence(rec[1])
+                for _ in early:
+                    self.custody.release(slot, rec[1])
             elif kind == "forget":
                 tx = s.live.get(rec[1])
                 s.forget(rec[1])
@@ -415,3 +443,9 @@ class SenderStage(Stage):
 
     def busy(self) -> bool:
         return self.sender.busy()
+
+    def stats(self) -> dict:
+        s = self.sender
+        return {"sender_dropped": dict(s.dropped), "bytes_written": s.bytes_written,
+                "sender_live_rooms": len(s.live), "sender_held_allocs": s.n_held,
+                "sender_early_items": sum(len(v) for v in s.early.values())}

@@ -431,7 +431,7 @@ class SimTower(Tower):
 
     def __init__(self, *, hidden: int = 3584, deepstack_width: int = 0, dtype: str = "bfloat16",
                  merge: int = 2, patch: int = 14, temporal_patch: int = 2, in_channels: int = 3,
-                 time_per_row_s: float = 2e-6, name: str = "sim"):
+                 time_per_row_s: float = 2e-6, name: str = "sim", fail_batches: int = 0):
         if time_per_row_s < 0:
             raise ValueError(f"time_per_row_s must be >= 0, got {time_per_row_s}")
         self.spec = TowerSpec(
@@ -441,7 +441,7 @@ class SimTower(Tower):
         )
         self.time_per_row_s = float(time_per_row_s)
         self.device_free_at = 0.0  # time.monotonic() at which the device is idle
-        self.fail_next = 0
+        self.fail_next = int(fail_batches)
         self._lock = threading.Lock()
         self._pattern = _sim_pattern(dtype)
 
@@ -932,6 +932,9 @@ class TowerStage:
 
     def busy(self) -> bool:
         return bool(self.jobs)
+
+    def stats(self) -> dict:
+        return {"tower_batches": self.batches, "tower_items": self.items}
 
     def next_done_in(self) -> float | None:
         """Seconds until the oldest job may be done, when the tower can tell (sim)."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import secrets
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -16,6 +17,9 @@ settings.register_profile("dev", deadline=None, suppress_health_check=[HealthChe
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 _counter = itertools.count()
+# One token per test session (xdist workers inherit it): prefixes carry it, so the
+# end-of-session check sees this session's objects and not another's running beside it.
+TOKEN = os.environ.setdefault("EPD_TEST_TOKEN", secrets.token_hex(2))
 
 
 def _shm_entries() -> set[str]:
@@ -25,7 +29,7 @@ def _shm_entries() -> set[str]:
 @pytest.fixture
 def shm_prefix():
     """A prefix no other test (or xdist worker) uses; the test must leave nothing under it."""
-    prefix = f"t{os.getpid()}_{next(_counter)}"
+    prefix = f"t{TOKEN}_{os.getpid()}_{next(_counter)}"
     yield prefix
     left = shm.list_objects(prefix)
     shm.sweep(prefix, include_live=True)
@@ -41,7 +45,7 @@ def pytest_sessionfinish(session, exitstatus):
     # check, after all workers have exited, is the one that sees every test.
     if hasattr(session.config, "workerinput"):
         return
-    new = sorted(_shm_entries() - session.config._shm_before)
+    new = sorted(e for e in _shm_entries() - session.config._shm_before if f"t{TOKEN}_" in e)
     if new:
         print(f"\n/dev/shm holds new entries after the test session: {new}")
         session.exitstatus = 1

@@ -49,9 +49,12 @@ def image(seed: int, grid=(1, 4, 4), dtype=np.float32) -> tuple[list, np.ndarray
 class ThreadedWorker:
     """A Worker serving in a background thread of the test process."""
 
+    mode = "inprocess"
+
     def __init__(self, cfg: WorkerConfig, tower=None):
         self.worker = Worker(cfg, tower=tower)
         self.cfg = self.worker.cfg
+        self.spec = self.worker.spec
         self.stop = threading.Event()
         self.error = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -63,6 +66,9 @@ class ThreadedWorker:
         except BaseException as e:  # surfaced by close()
             self.error = e
 
+    def stats(self) -> dict:
+        return self.worker.stats()
+
     def close(self):
         self.stop.set()
         self.thread.join(30)
@@ -71,6 +77,58 @@ class ThreadedWorker:
         finally:
             if self.error is not None:
                 raise self.error
+
+
+class PipelineWorker:
+    """The multi-process pipeline under its supervisor, watched from a background thread."""
+
+    mode = "pipeline"
+
+    def __init__(self, cfg: WorkerConfig):
+        from pipeline.supervisor import Supervisor
+        from stages.tower import TowerSpec
+
+        self.sup = Supervisor(cfg)
+        try:
+            self.sup.start()
+        except BaseException:
+            self.sup.close()
+            raise
+        self.cfg = self.sup.cfg
+        self.spec = TowerSpec(**self.sup.spec_kwargs)
+        self.stop = threading.Event()
+        self.code = None
+        self.error = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            self.code = self.sup.serve(self.stop)
+        except BaseException as e:
+            self.error = e
+
+    def stats(self) -> dict:
+        import time
+
+        time.sleep(0.3)  # stages publish their counters a few times a second
+        return self.sup.stats()
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(120)
+        try:
+            self.sup.close()
+        finally:
+            if self.error is not None:
+                raise self.error
+
+
+def start_worker(mode: str, cfg: WorkerConfig, tower=None):
+    if mode == "pipeline":
+        assert tower is None, "the pipeline builds its tower in the tower process"
+        return PipelineWorker(cfg)
+    return ThreadedWorker(cfg, tower=tower)
 
 
 def sim_config(prefix: str, tmp_path, **over) -> WorkerConfig:
