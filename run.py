@@ -1,14 +1,19 @@
 #!/usr/bin/env python3
 """The EPD encode worker.
 
-  python run.py                 the demo: a worker with its embedded defaults (tiny
-                                Qwen2.5-VL tower, Mooncake TCP on loopback), a receiver
-                                in its own process and a synthetic workload; prints
-                                per-room results and a summary
-  python run.py serve [flags]   serve until SIGTERM/SIGINT (exit 0 after draining)
+  python run.py                 the main job: the pipeline with its embedded defaults
+                                (tiny Qwen2.5-VL tower, Mooncake TCP on loopback), a
+                                receiver in its own process and a synthetic workload;
+                                prints progress, per-room results and a summary
+  python run.py serve [flags]   serve until SIGTERM/SIGINT (exit 0 after draining; a
+                                second signal skips the drain)
 
-Exit codes: 0 success; 1 the demo saw a failed room or a protocol violation;
-2 bad configuration or flags; 3 the worker could not start.
+--mode pipeline (the default) runs every stage in its own process under a
+supervisor; --mode inprocess runs the same stages in one process and one loop.
+
+Exit codes: 0 success; 1 the demo saw a failed room or a protocol violation, or
+a stage kept dying (restart limit); 2 bad configuration or flags; 3 the worker
+could not start.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ import time
 
 from pipeline.config import ConfigError, WorkerConfig, add_flags, from_args
 
-MODES = ["inprocess"]  # the multi-process pipeline is the next milestone
+MODES = ["pipeline", "inprocess"]
 
 
 def _free_port() -> int:
@@ -33,7 +38,15 @@ def _free_port() -> int:
 
 
 # ---------------------------------------------------------------- serve
-def serve(cfg: WorkerConfig, drain_s: float) -> int:
+def serve(cfg: WorkerConfig, drain_s: float, mode: str) -> int:
+    if mode == "pipeline":
+        from pipeline.supervisor import PipelineError, run_pipeline
+
+        try:
+            return run_pipeline(cfg)
+        except PipelineError as e:
+            print(f"error: the worker could not start: {e}", file=sys.stderr)
+            return 3
     from pipeline.worker import Worker
 
     try:
@@ -102,6 +115,12 @@ def _receiver_main(bootstrap: str, conn) -> None:
             r.violations = []
 
 
+def _progress(results: dict, total: int, elapsed: float) -> None:
+    ok = sum(1 for r in results.values() if r[0] == "success")
+    print(f"\r  rooms {len(results)}/{total}  ok {ok}  failed {len(results) - ok}  "
+          f"{len(results) / max(elapsed, 1e-9):6.1f} rooms/s", end="", file=sys.stderr, flush=True)
+
+
 def _workload(patch_dim: int, merge: int):
     """Images of several sizes, some repeated, a multi-item room and a video."""
     import numpy as np
@@ -124,20 +143,49 @@ def _workload(patch_dim: int, merge: int):
     return rooms
 
 
-def demo(cfg: WorkerConfig) -> int:
+class _Running:
+    """The worker under test in the demo, in either mode, serving in a background thread."""
+
+    def __init__(self, cfg: WorkerConfig, mode: str):
+        self.stop = threading.Event()
+        if mode == "pipeline":
+            from pipeline.supervisor import Supervisor
+            from stages.tower import TowerSpec
+
+            self.sup = Supervisor(cfg)
+            try:
+                self.sup.start()
+            except BaseException:
+                self.sup.close()
+                raise
+            self.cfg, self.spec = self.sup.cfg, TowerSpec(**self.sup.spec_kwargs)
+            self.thread = threading.Thread(target=self.sup.serve, args=(self.stop,), daemon=True)
+        else:
+            from pipeline.worker import Worker
+
+            self.sup = Worker(cfg)
+            self.cfg, self.spec = self.sup.cfg, self.sup.spec
+            self.thread = threading.Thread(target=self.sup.serve, args=(self.stop,), daemon=True)
+        self.thread.start()
+
+    def stats(self) -> dict:
+        return self.sup.stats()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(60)
+        self.sup.close()
+
+
+def demo(cfg: WorkerConfig, mode: str) -> int:
     from pipeline.client import Client
 
-    from pipeline.worker import Worker
-
     try:
-        worker = Worker(cfg)
+        worker = _Running(cfg, mode)
     except Exception as e:
         print(f"error: the worker could not start: {e}", file=sys.stderr)
         return 3
     spec = worker.spec
-    stop = threading.Event()
-    loop = threading.Thread(target=worker.serve, args=(stop,), daemon=True)
-    loop.start()
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     rx = ctx.Process(target=_receiver_main, args=(worker.cfg.bootstrap, child), daemon=True)
@@ -153,7 +201,7 @@ def demo(cfg: WorkerConfig) -> int:
         alloc_spec = dict(hidden=spec.hidden, dtype=spec.dtype, deepstack_width=spec.deepstack_width)
         sent_at = {}
         print(f"demo: {len(workload)} rooms through the {spec.name} tower "
-              f"(hidden {spec.hidden}, {spec.dtype}), mode inprocess", flush=True)
+              f"(hidden {spec.hidden}, {spec.dtype}), mode {mode}", flush=True)
         t0 = time.monotonic()
         end = t0 + 300
         wave = 10  # in waves, so that later waves find earlier images in the cache
@@ -172,6 +220,7 @@ def demo(cfg: WorkerConfig) -> int:
                         continue
                     room, state, reason, digest = msg
                     results[room] = (state, reason, digest, time.monotonic() - sent_at[room])
+                    _progress(results, len(workload), time.monotonic() - t0)
         elapsed = time.monotonic() - t0
         client.close()
         parent.send(None)
@@ -179,10 +228,9 @@ def demo(cfg: WorkerConfig) -> int:
         rx.join(10)
         if rx.is_alive():
             rx.kill()
-        stop.set()
-        loop.join(30)
         stats = worker.stats()
         worker.close()
+    print(file=sys.stderr)
 
     print(f"{'room':>5} {'items':>5} {'state':<8} {'ms':>8}  rows sha1 / reason")
     for n, items in enumerate(workload):
@@ -208,10 +256,11 @@ def demo(cfg: WorkerConfig) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", nargs="?", default="demo", choices=["demo", "serve"])
-    parser.add_argument("--mode", choices=MODES, default="inprocess",
-                        help="inprocess: every stage in one process and one loop (the reference design)")
+    parser.add_argument("--mode", choices=MODES, default="pipeline",
+                        help="pipeline: each stage its own process; inprocess: one process, one loop")
     parser.add_argument("--drain-s", type=float, default=10.0,
-                        help="on SIGTERM, how long rooms in flight may take to finish")
+                        help="inprocess: on SIGTERM, how long rooms in flight may take to finish "
+                             "(pipeline: --drain-timeout-s)")
     parser.add_argument("--log-level", default="WARNING")
     add_flags(parser)
     args = parser.parse_args(argv)
@@ -228,8 +277,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.command == "serve":
-        return serve(cfg, args.drain_s)
-    return demo(cfg)
+        return serve(cfg, args.drain_s, args.mode)
+    return demo(cfg, args.mode)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import threading
 import time
 
 from ipc import shm
-from ipc.ring import Ring, wait_any
+from ipc.ring import RECORD_HEADER, Ring, wait_any
 from pipeline import wiring
 from pipeline.config import WorkerConfig
 from stages.base import TableCustody
@@ -92,16 +92,22 @@ class IntakeJournal:
             buf[:4] = b"\0\0\0\0"
             return
         try:
-            names = protocol.shm_names(protocol.decode(frame))
+            msg = protocol.decode(frame)
+            names = protocol.shm_names(msg)
+            room = protocol.room_of(msg)
         except protocol.ProtocolError:
-            names = []
-        data = "\n".join(names).encode()[: self.SIZE - 4]
+            names, room = [], None
+        data = "\n".join([str(room if room is not None else "")] + names).encode()[: self.SIZE - 4]
         buf[4:4 + len(data)] = data
         buf[:4] = len(data).to_bytes(4, "little")  # last: the names are whole when the length is set
 
-    def names(self) -> list[str]:
+    def read(self) -> tuple[int | None, list[str]]:
+        """(room, segment names) of the frame in hand, or (None, [])."""
         n = int.from_bytes(self.seg.buf[:4], "little")
-        return bytes(self.seg.buf[4:4 + n]).decode(errors="replace").split("\n") if n else []
+        if not n:
+            return None, []
+        room, *names = bytes(self.seg.buf[4:4 + n]).decode(errors="replace").split("\n")
+        return (int(room) if room.isdigit() else None), names
 
     def close(self) -> None:
         self.seg.close()
@@ -316,6 +322,11 @@ class StageHost:
                 if not recs:
                     continue
                 worked = True
+                if name == "reaper":
+                    # What the reaper does for a record (a status sent) cannot be undone:
+                    # consume records one by one, so a death repeats at most the one in hand.
+                    self._one_by_one(src, ring, recs)
+                    continue
                 for raw in recs:
                     stage.handle(src, pickle.loads(raw))
                 self._push_outputs()
@@ -347,6 +358,13 @@ class StageHost:
             if worked:
                 continue
             self._idle()
+
+    def _one_by_one(self, src: str, ring, recs: list) -> None:
+        for raw in recs:
+            self.stage.handle(src, pickle.loads(raw))
+            self._push_outputs()
+            ring.release(ring.tail + RECORD_HEADER + len(raw))
+            self.custody.flush()
 
     def _idle(self) -> None:
         """Sleep until there may be work: a record, a frame, a timer, a job."""

@@ -160,7 +160,9 @@ class Supervisor:
         self.shared.pixel_arena.reclaim(owner)
         self.shared.emb_arena.reclaim(owner)
         if name == "intake":
-            self._unlink_journal()
+            in_hand = self._unlink_journal()
+            if in_hand is not None and self.rooms.find(in_hand) is None:
+                held.append((None, in_hand))  # the request it was reading: remember it as failed
         log.error("the %s stage %s; failing the %d rooms it held", name, why, len(held))
         self._to_reaper(("fail_rooms", held, f"the {name} stage died while it held this room",
                          name == "sender"))
@@ -200,18 +202,21 @@ class Supervisor:
             self.fatal = f"the {name} stage could not be restarted"
         self.pending_restart[name] = now + 2.0
 
-    def _unlink_journal(self) -> None:
+    def _unlink_journal(self) -> int | None:
+        """Unlink the segments of the frame intake died with; return its room."""
         from stages.intake import Intake
 
         checker = Intake.__new__(Intake)
         checker.prefix = self.cfg.shm_prefix
-        for name in self.journal.names():
+        room, names = self.journal.read()
+        for name in names:
             if name and Intake.segment_name_problem(checker, name) is None:
                 try:
                     os.unlink(os.path.join(shm.SHM_DIR, name[1:]))
                 except FileNotFoundError:
                     pass
         self.journal.record(None)
+        return room
 
     def _to_reaper(self, rec) -> None:
         if not self.to_reaper.push(pickle.dumps(rec, protocol=5), timeout=5.0):

@@ -31,6 +31,7 @@ class StatusPusher:
         self.hwm = hwm
         self.endpoints: dict[str, str] = {}
         self.sockets: dict[str, zmq.Socket] = {}
+        self.waiting: dict[str, list[bytes]] = {}  # for receivers not (yet) known here
         self.undelivered = 0
 
     def register(self, receiver: str, endpoint: str) -> None:
@@ -46,11 +47,18 @@ class StatusPusher:
         sock.connect(endpoint)
         self.endpoints[receiver] = endpoint
         self.sockets[receiver] = sock
+        for frame in self.waiting.pop(receiver, []):
+            self.send(receiver, frame)
 
     def send(self, receiver: str, frame: bytes) -> None:
         sock = self.sockets.get(receiver)
         if sock is None:
-            self.undelivered += 1
+            # A restarted reaper learns the endpoints from the sender a moment later.
+            held = self.waiting.setdefault(receiver, [])
+            if len(held) < self.hwm:
+                held.append(frame)
+            else:
+                self.undelivered += 1
             return
         try:
             sock.send(frame, zmq.NOBLOCK)
@@ -87,6 +95,7 @@ class Reaper:
         self.deadlines: list[tuple[float, int, int]] = []
         self.tombstones: OrderedDict[int, tuple[float, int]] = OrderedDict()  # room -> (concluded, slot)
         self.registrations: dict = {}
+        self.sender_died_at = 0.0
         self.outcomes = Counter()
         self.conclusions: list[tuple[int, str, str]] = []  # (room, "success"|"failed", reason), for callers
 
@@ -127,8 +136,15 @@ class Reaper:
             if reason is None:
                 entry = self._entry(room)
                 reason = entry.reason if entry else "room failed"
-            known = self.told.get(room, _Told()).known
-            for r in sorted(set(receivers) | known):
+            told = self.told.get(room, _Told())
+            to = set(receivers) | told.known
+            entry = self._entry(room)
+            if not to and entry is not None and entry.created <= self.sender_died_at:
+                # Allocs a dead sender had received were never acknowledged, so who sent
+                # them is unknown: every registered receiver hears (and ignores a room it
+                # never allocated for), so that none waits forever.
+                to = set(self.registrations)
+            for r in sorted(to):
                 self._tell_failed(room, r, reason)
         elif kind in ("late_alloc", "unknown_room"):
             _, room, receiver = ev
@@ -230,6 +246,8 @@ class ReaperStage(Stage):
             else:
                 r.tombstones[e.room] = (e.concluded, e.slot)
         r.tombstones = OrderedDict(sorted(r.tombstones.items(), key=lambda kv: kv[1][0]))
+        # The receivers' status endpoints died with the predecessor: the sender knows them.
+        self.emit("sender", ("resend_registrations",))
 
     def handle(self, source: str, rec) -> None:
         r = self.reaper
@@ -243,6 +261,8 @@ class ReaperStage(Stage):
             kind = rec[0]
             if kind == "fail_rooms":
                 _, rooms, reason, sender_dead = rec
+                if sender_dead:
+                    r.sender_died_at = time.monotonic()
                 for slot, room in rooms:
                     r.fail(RoomFailure(slot, room, reason))
                     if sender_dead:

@@ -79,6 +79,7 @@ class Sender:
         self.events: list[tuple] = []
         self.dropped = Counter()
         self.bytes_written = 0
+        self.started_at = time.monotonic()
         self._logged: set[str] = set()
 
     # ------------------------------------------------------------ inputs
@@ -302,8 +303,13 @@ class Sender:
                 continue
             for i, it in enumerate(tx.items):
                 if it.ready is not None and not it.started and it.ready_at < limit:
-                    self._fail(room, tx, f"allocs for item {i} incomplete {self.bootstrap_timeout_s:g} s "
-                                         f"after its embedding was ready (bootstrap_timeout_s)")
+                    reason = (f"allocs for item {i} incomplete {self.bootstrap_timeout_s:g} s "
+                              f"after its embedding was ready (bootstrap_timeout_s)")
+                    entry = self.rooms.get(tx.slot)
+                    if entry is not None and entry.created < self.started_at:
+                        reason += ("; the sender stage was restarted after the room arrived, "
+                                   "and allocs its predecessor had received were lost with it")
+                    self._fail(room, tx, reason)
                     break
         for room, held in list(self.held.items()):
             keep = [(t, a) for t, a in held if t >= limit]
@@ -418,6 +424,8 @@ class SenderStage(Stage):
                     self.custody.release(tx.slot, rec[1])
             elif kind == "register":
                 s.receivers[rec[1].receiver] = rec[1]
+            elif kind == "resend_registrations":
+                s.events.extend(("register", reg) for reg in s.receivers.values())
         else:
             raise ValueError(f"sender: unexpected source {source!r}")
         self._flush_events()
