@@ -143,45 +143,12 @@ def _workload(patch_dim: int, merge: int):
     return rooms
 
 
-class _Running:
-    """The worker under test in the demo, in either mode, serving in a background thread."""
-
-    def __init__(self, cfg: WorkerConfig, mode: str):
-        self.stop = threading.Event()
-        if mode == "pipeline":
-            from pipeline.supervisor import Supervisor
-            from stages.tower import TowerSpec
-
-            self.sup = Supervisor(cfg)
-            try:
-                self.sup.start()
-            except BaseException:
-                self.sup.close()
-                raise
-            self.cfg, self.spec = self.sup.cfg, TowerSpec(**self.sup.spec_kwargs)
-            self.thread = threading.Thread(target=self.sup.serve, args=(self.stop,), daemon=True)
-        else:
-            from pipeline.worker import Worker
-
-            self.sup = Worker(cfg)
-            self.cfg, self.spec = self.sup.cfg, self.sup.spec
-            self.thread = threading.Thread(target=self.sup.serve, args=(self.stop,), daemon=True)
-        self.thread.start()
-
-    def stats(self) -> dict:
-        return self.sup.stats()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(60)
-        self.sup.close()
-
-
 def demo(cfg: WorkerConfig, mode: str) -> int:
     from pipeline.client import Client
+    from pipeline.running import Running
 
     try:
-        worker = _Running(cfg, mode)
+        worker = Running(cfg, mode)
     except Exception as e:
         print(f"error: the worker could not start: {e}", file=sys.stderr)
         return 3

@@ -28,11 +28,19 @@ import numpy as np  # noqa: E402
 from ipc import shm  # noqa: E402
 from pipeline.client import Client, Item  # noqa: E402
 from pipeline.config import WorkerConfig  # noqa: E402
-from tests.helpers import ThreadedWorker, free_port  # noqa: E402
+from pipeline.running import Running  # noqa: E402
 
 HIDDEN, SPAN, DTYPE = 3584, 256, "bfloat16"
 ITEM_BYTES = SPAN * HIDDEN * 2
 GRID = (1, 32, 32)  # 1024 patches -> 256 rows
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def receiver_main(bootstrap: str, conn, n_rooms: int, window: int, first_room: int) -> None:
@@ -78,7 +86,7 @@ def main() -> int:
                        arena_cache_bytes=16 << 20, pixel_arena_bytes=64 << 20,
                        max_live_rooms=n + 16, max_tombstones=n + 16)
     ctx = mp.get_context("spawn")
-    w = ThreadedWorker(cfg)
+    w = Running(cfg, "inprocess")
     parent, child = ctx.Pipe()
     rx = ctx.Process(target=receiver_main, args=(cfg.bootstrap, child, n, args.window, 1), daemon=True)
     rx.start()

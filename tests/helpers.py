@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import socket
-import threading
+import time
 
 import numpy as np
 import xxhash
 
 from pipeline.config import WorkerConfig
-from pipeline.worker import Worker
+from pipeline.running import Running
 
 PATCH_DIM = 3 * 2 * 14 * 14
 
@@ -46,91 +46,20 @@ def image(seed: int, grid=(1, 4, 4), dtype=np.float32) -> tuple[list, np.ndarray
     return [list(grid)], px
 
 
-class ThreadedWorker:
-    """A Worker serving in a background thread of the test process."""
-
-    mode = "inprocess"
-
-    def __init__(self, cfg: WorkerConfig, tower=None):
-        self.worker = Worker(cfg, tower=tower)
-        self.cfg = self.worker.cfg
-        self.spec = self.worker.spec
-        self.stop = threading.Event()
-        self.error = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        try:
-            self.worker.serve(self.stop)
-        except BaseException as e:  # surfaced by close()
-            self.error = e
-
-    def stats(self) -> dict:
-        return self.worker.stats()
-
-    def close(self):
-        self.stop.set()
-        self.thread.join(30)
-        try:
-            self.worker.close()
-        finally:
-            if self.error is not None:
-                raise self.error
-
-
-class PipelineWorker:
-    """The multi-process pipeline under its supervisor, watched from a background thread."""
-
-    mode = "pipeline"
-
-    def __init__(self, cfg: WorkerConfig):
-        from pipeline.supervisor import Supervisor
-        from stages.tower import TowerSpec
-
-        self.sup = Supervisor(cfg)
-        try:
-            self.sup.start()
-        except BaseException:
-            self.sup.close()
-            raise
-        self.cfg = self.sup.cfg
-        self.spec = TowerSpec(**self.sup.spec_kwargs)
-        self.stop = threading.Event()
-        self.code = None
-        self.error = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        try:
-            self.code = self.sup.serve(self.stop)
-        except BaseException as e:
-            self.error = e
-
-    def stats(self) -> dict:
-        import time
-
-        time.sleep(0.3)  # stages publish their counters a few times a second
-        return self.sup.stats()
-
-    def close(self):
-        self.stop.set()
-        self.thread.join(120)
-        try:
-            self.sup.close()
-        finally:
-            if self.error is not None:
-                raise self.error
-
-
-def start_worker(mode: str, cfg: WorkerConfig, tower=None):
+def start_worker(mode: str, cfg: WorkerConfig, tower=None) -> Running:
+    w = Running(cfg, mode, tower=tower)
     if mode == "pipeline":
-        assert tower is None, "the pipeline builds its tower in the tower process"
-        return PipelineWorker(cfg)
-    return ThreadedWorker(cfg, tower=tower)
+        real_stats = w.stats
+        w.stats = lambda: (time.sleep(0.3), real_stats())[1]  # stages publish a few times a second
+    return w
 
 
+def PipelineWorker(cfg: WorkerConfig) -> Running:
+    return start_worker("pipeline", cfg)
+
+
+def ThreadedWorker(cfg: WorkerConfig, tower=None) -> Running:
+    return start_worker("inprocess", cfg, tower)
 def sim_config(prefix: str, tmp_path, **over) -> WorkerConfig:
     base = dict(shm_prefix=prefix, intake=f"ipc://{tmp_path}/intake.sock",
                 bootstrap=f"tcp://127.0.0.1:{free_port()}", run_dir=str(tmp_path),

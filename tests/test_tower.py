@@ -83,20 +83,22 @@ GRIDS = [
 
 @pytest.fixture(scope="module", params=["qwen2.5-vl", "qwen3-vl"])
 def qwen(request):
-    return build_tower(request.param, config="tiny")
+    # float32 on every device (on CUDA the default would be bfloat16)
+    return build_tower(request.param, config="tiny", dtype="float32")
 
 
 def hf_alone(tower, item):
     """What transformers' own module gives for this item on its own."""
+    device = next(tower.model.parameters()).device
     with torch.inference_mode():
         out = tower.model(
-            hidden_states=from_np(item.pixels).to(tower.model.dtype),
-            grid_thw=torch.tensor(item.grid_thw, dtype=torch.long),
+            hidden_states=from_np(item.pixels).to(device=device, dtype=tower.model.dtype),
+            grid_thw=torch.tensor(item.grid_thw, dtype=torch.long, device=device),
         )
     deep = None
     if getattr(out, "deepstack_features", None):
-        deep = torch.cat(list(out.deepstack_features), dim=1)
-    return out.pooler_output, deep
+        deep = torch.cat(list(out.deepstack_features), dim=1).cpu()
+    return out.pooler_output.cpu(), deep
 
 
 def test_tiny_specs(qwen):
@@ -112,13 +114,15 @@ def test_batch_matches_module_alone(qwen):
     spec = qwen.spec
     items = [TowerItem(m, g, make_pixels(i, g, spec.patch_dim)) for i, (m, g) in enumerate(GRIDS)]
     outs = run(qwen, items)
+    # On CUDA, cuDNN's convolutions run in TF32 and pick algorithms by shape.
+    tol = dict(rtol=2e-3, atol=5e-4) if torch.cuda.is_available() else dict(rtol=1e-4, atol=1e-5)
     for item, (main, deep) in zip(items, outs):
         ref_main, ref_deep = hf_alone(qwen, item)
         assert main.shape == (qwen.span(item.grid_thw), spec.hidden) == tuple(ref_main.shape)
-        np.testing.assert_allclose(main, ref_main.numpy(), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(main, ref_main.numpy(), **tol)
         if spec.deepstack_width:
             assert ref_deep.shape == (main.shape[0], spec.deepstack_width)
-            np.testing.assert_allclose(deep, ref_deep.numpy(), rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(deep, ref_deep.numpy(), **tol)
         else:
             assert deep is None and ref_deep is None
     # items really differ (a mix-up of rows would not go unnoticed)
@@ -194,6 +198,10 @@ def test_wrong_row_count_is_tower_error(qwen, monkeypatch, half):
         run(qwen, items)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason=(
+    "seen on an H200: a merger patched to drop a row leaves the CUDA context broken and the "
+    "process aborts at its next garbage collection; the row check itself is covered by "
+    "test_wrong_row_count_is_tower_error"))
 def test_hf_module_row_count_wrong_is_tower_error(qwen, monkeypatch):
     """The HF merger itself returning a row too few (not just our wrapper)."""
     merger = qwen.model.merger
