@@ -198,6 +198,16 @@ def stage_process(name: str, cfg_kwargs: dict, run_id: str, spec_kwargs: dict | 
         host.close()
 
 
+def _die_with_parent() -> None:
+    """Ask the kernel for SIGKILL when the supervisor dies (Linux), besides the ppid check."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
 class StageHost:
     def __init__(self, name: str, cfg: WorkerConfig, run_id: str, spec_kwargs: dict | None):
         import zmq
@@ -205,6 +215,8 @@ class StageHost:
         self.name = name
         self.cfg = cfg
         self.run_id = run_id
+        self.parent = os.getppid()
+        _die_with_parent()
         p = cfg.shm_prefix
         self.hb = Heartbeats.attach(p, run_id)
         self.row = self.hb.row(name)
@@ -306,6 +318,10 @@ class StageHost:
     def _beat(self) -> None:
         now = time.monotonic()
         self.row[Heartbeats.BEAT] = now
+        if os.getppid() != self.parent:
+            # The supervisor is gone (killed whole): nobody can restart or clean up after
+            # us; the next start with this prefix sweeps the shared objects.
+            os._exit(70)
         if now - self._stats_at > 0.05:
             self._stats_at = now
             self.stats_board.write(self.name, self.stage.stats())

@@ -21,8 +21,9 @@ OWNERS = {"intake": OWNER_INTAKE, "cache": OWNER_CACHE, "scheduler": OWNER_SCHED
 
 # (producer, consumer): one single-producer single-consumer ring each.
 EDGES = [
-    # intake's rooms go out before its items, so they are first to arrive where they can
-    ("intake", "sender"), ("intake", "reaper"), ("intake", "cache"),
+    # items first: they are on the critical path (the sender holds an item that
+    # overtakes its room's RoomOpened until the room arrives)
+    ("intake", "cache"), ("intake", "sender"), ("intake", "reaper"),
     ("cache", "scheduler"), ("cache", "sender"), ("cache", "reaper"),
     ("scheduler", "tower"), ("scheduler", "reaper"),
     ("tower", "cache"), ("tower", "scheduler"), ("tower", "reaper"),

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import stat
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -17,6 +19,35 @@ from stages.base import Stage
 from stages.records import OWNER_INTAKE, RoomFailure, RoomOpened, WorkItem
 
 log = logging.getLogger("epd.intake")
+
+
+class _Closer:
+    """Closes taken segments' descriptors on a thread of its own: the last close of an
+    unlinked segment frees its pages, about a third of intake's time per image, and
+    os.close releases the GIL while the kernel does it."""
+
+    def __init__(self):
+        self.fds: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        self.pid = 0
+
+    def close(self, fd: int) -> None:
+        if self.thread is None or self.pid != os.getpid():  # none yet, or inherited by a fork
+            self.pid = os.getpid()
+            self.thread = threading.Thread(target=self._run, name="segment-closer", daemon=True)
+            self.thread.start()
+        self.fds.put(fd)
+
+    def _run(self) -> None:
+        while True:
+            fd = self.fds.get()
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+_closer = _Closer()
 
 
 @dataclass
@@ -180,7 +211,7 @@ class Intake:
     def _close(segments: dict) -> None:
         for fd in segments.values():
             if isinstance(fd, int):
-                os.close(fd)
+                _closer.close(fd)
 
     def _read_pixels(self, px: protocol.PixelsRef, segments: dict, lease: Lease) -> None:
         view = self.pixel_arena.view(lease)

@@ -80,6 +80,8 @@ class Sender:
         self.dropped = Counter()
         self.bytes_written = 0
         self.started_at = time.monotonic()
+        self.writing: set[int] = set()  # rooms with writes in flight
+        self._timeouts_at = 0.0
         self._logged: set[str] = set()
 
     # ------------------------------------------------------------ inputs
@@ -139,8 +141,8 @@ class Sender:
         self._adopt(r, now)
 
     def _adopt(self, r: ReadyItem, now: float | None = None) -> None:
-        tx = self.live[r.room]
-        if tx.failing or r.item >= len(tx.items) or tx.items[r.item].ready:
+        tx = self.live.get(r.room)  # None: failed (and fenced) by a held alloc just now
+        if tx is None or tx.failing or r.item >= len(tx.items) or tx.items[r.item].ready:
             self._release(r)
             return
         it = tx.items[r.item]
@@ -255,6 +257,7 @@ class Sender:
                 self._fail(room, tx, f"transfer to receiver {a.receiver} could not start: {e}")
                 return
             tx.writes.append(_Write(item, a.receiver, pending))
+            self.writing.add(room)
             it.writes_left += 1
             self.bytes_written += sum(lens)
         if not it.writes_left:
@@ -268,13 +271,21 @@ class Sender:
 
     def poll(self, now: float | None = None) -> None:
         """Collect finished writes; time out what waited too long for its allocs."""
-        for room, tx in list(self.live.items()):
-            if tx.writes:
+        for room in list(self.writing):
+            tx = self.live.get(room)
+            if tx is None or not tx.writes:
+                self.writing.discard(room)
+            else:
                 self._poll_room(room, tx)
-        self._timeouts(time.monotonic() if now is None else now)
+                if not tx.writes:
+                    self.writing.discard(room)
+        now = time.monotonic() if now is None else now
+        if now - self._timeouts_at >= 0.05:
+            self._timeouts_at = now
+            self._timeouts(now)
 
     def busy(self) -> bool:
-        return any(tx.writes for tx in self.live.values())
+        return bool(self.writing)
 
     def _poll_room(self, room: int, tx: _RoomTx) -> None:
         still = []
