@@ -627,6 +627,35 @@ class Ring:
         self._release(tail, end, 1)
         return rec
 
+    def pop_into(self, buffer, timeout: float | None = 0.0) -> int | None:
+        """Copy the oldest record into ``buffer`` (writable, large enough) and take it;
+        return its length, or None if none arrived within ``timeout`` seconds. For big
+        records: a reused buffer is not page-faulted anew, as a fresh ``bytes`` is."""
+        q = self._q
+        tail = q[_TAIL]
+        if self._rd_at == tail:  # parsed by an earlier batch call: it is in hand already
+            rec = self.pop(0.0)
+            out = memoryview(buffer).cast("B")
+            out[:len(rec)] = rec
+            return len(rec)
+        if q[_HEAD] == tail and not self._wait_data(timeout):
+            return None
+        n = self._len_at(tail)
+        end = tail + RECORD_HEADER + n
+        if end > q[_HEAD]:
+            raise self._corrupt(tail, f"record of {n} bytes runs past head")
+        out = memoryview(buffer).cast("B")
+        if len(out) < n:
+            raise ValueError(f"pop_into: the record has {n} bytes, the buffer {len(out)}")
+        cap, d = self.capacity, self._data
+        p = (tail + RECORD_HEADER) % cap
+        first = min(n, cap - p)
+        out[:first] = d[p:p + first]
+        if first < n:
+            out[first:n] = d[: n - first]
+        self._release(tail, end, 1)
+        return n
+
     def peek_batch(self, max_records: int = 1024, timeout: float | None = 0.0) -> tuple[list[bytes], int]:
         """Up to ``max_records`` oldest records, without consuming them, and the read
         index just after them (for ``release``); ``([], tail)`` on timeout.  Returns as

@@ -641,3 +641,22 @@ def test_shared_doorbell_and_wait_any(shm_prefix):
     assert shm.list_objects(shm_prefix, run_id) == [f"sem.{bell_name}"]
     bell.close()
     shm.unlink_semaphore(bell_name)
+
+
+def test_pop_into_copies_records_including_wrapped_ones(shm_prefix):
+    ring = Ring.create(shm_prefix, shm.new_run_id(), "into", 64)
+    try:
+        buf = bytearray(64)
+        assert ring.pop_into(buf) is None
+        for k in range(20):  # sizes that wrap around the 64-byte buffer
+            rec = bytes([k]) * (7 + k % 23)
+            assert ring.push(rec)
+            assert ring.pop_into(buf) == len(rec)
+            assert bytes(buf[:len(rec)]) == rec
+        ring.push(b"x" * 40)
+        with pytest.raises(ValueError):
+            ring.pop_into(bytearray(10))
+        assert ring.pop() == b"x" * 40  # a failed pop_into takes nothing
+    finally:
+        ring.close()
+        ring.unlink()
