@@ -38,7 +38,7 @@ def _free_port() -> int:
 
 
 # ---------------------------------------------------------------- serve
-def serve(cfg: WorkerConfig, drain_s: float, mode: str) -> int:
+def serve(cfg: WorkerConfig, mode: str) -> int:
     if mode == "pipeline":
         from pipeline.supervisor import PipelineError, run_pipeline
 
@@ -67,8 +67,8 @@ def serve(cfg: WorkerConfig, drain_s: float, mode: str) -> int:
           f"mooncake session {worker.engine.session}  tower {worker.spec.name}", flush=True)
     try:
         worker.serve(stop)
-        # A second signal during the drain skips the rest of it.
-        worker.drain(0.0 if len(signals) > 1 else drain_s)
+        # A second signal, before or during the drain, skips (the rest of) it.
+        worker.drain(cfg.drain_timeout_s, cut_short=lambda: len(signals) > 1)
     finally:
         worker.close()
     print("stopped", flush=True)
@@ -225,9 +225,6 @@ def main(argv=None) -> int:
     parser.add_argument("command", nargs="?", default="demo", choices=["demo", "serve"])
     parser.add_argument("--mode", choices=MODES, default="pipeline",
                         help="pipeline: each stage its own process; inprocess: one process, one loop")
-    parser.add_argument("--drain-s", type=float, default=10.0,
-                        help="inprocess: on SIGTERM, how long rooms in flight may take to finish "
-                             "(pipeline: --drain-timeout-s)")
     parser.add_argument("--log-level", default="WARNING")
     add_flags(parser)
     args = parser.parse_args(argv)
@@ -244,7 +241,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.command == "serve":
-        return serve(cfg, args.drain_s, args.mode)
+        return serve(cfg, args.mode)
     return demo(cfg, args.mode)
 
 

@@ -157,11 +157,12 @@ class Worker:
         return not self.queue and not any(s.busy() for s in self.stages.values()) \
             and not len(self.scheduler) and not self.sender.live
 
-    def drain(self, deadline_s: float) -> None:
-        """Stop taking work; let rooms in flight finish until the deadline; fail the rest."""
+    def drain(self, deadline_s: float, cut_short=lambda: False) -> None:
+        """Stop taking work; let rooms in flight finish until the deadline (or until
+        `cut_short()`); fail the rest."""
         self.accepting = False
         end = time.monotonic() + deadline_s
-        while time.monotonic() < end and not self.idle():
+        while time.monotonic() < end and not self.idle() and not cut_short():
             self.step(0.005)
         for e in self.rooms.entries():
             if e.state < RoomState.SUCCESS:
