@@ -630,6 +630,7 @@ class _QwenTower(Tower):
             temporal_patch=tp, patch=patch,
         )
         self._torch_dtype = tdtype
+        self._registered: list[tuple[int, int]] = []  # host ranges page-locked for CUDA
         self._lock = threading.Lock()
 
     # -- per-model hooks
@@ -702,6 +703,10 @@ class _QwenTower(Tower):
                     self._check_rows(modality, "deepstack", deep, expected, self.spec.deepstack_width)
                 main = main.to(self._torch_dtype)
                 deep = deep.to(self._torch_dtype) if deep is not None else None
+                if cuda and self._all_registered(outs, idx):
+                    # Straight from the device into the (CUDA-registered) arena.
+                    self._scatter([(idx, main, deep)], outs, spans, non_blocking=True)
+                    continue
                 if cuda:
                     main = self._to_pinned(main)
                     deep = self._to_pinned(deep) if deep is not None else None
@@ -731,15 +736,37 @@ class _QwenTower(Tower):
             )
 
     @staticmethod
-    def _scatter(staged, outs, spans) -> None:
+    def _scatter(staged, outs, spans, non_blocking: bool = False) -> None:
         for idx, main, deep in staged:
             row = 0
             for i in idx:
                 n = spans[i]
-                _to_torch(outs[i][0]).copy_(main[row:row + n])
+                _to_torch(outs[i][0]).copy_(main[row:row + n], non_blocking=non_blocking)
                 if deep is not None:
-                    _to_torch(outs[i][1]).copy_(deep[row:row + n])
+                    _to_torch(outs[i][1]).copy_(deep[row:row + n], non_blocking=non_blocking)
                 row += n
+
+    def register_host_memory(self, address: int, size: int) -> bool:
+        """Page-lock [address, address + size) for CUDA (the embedding arena), so rows are
+        copied from the device straight into it, asynchronously. False when not on CUDA."""
+        if self.device.type != "cuda":
+            return False
+        import torch
+
+        rc = torch.cuda.cudart().cudaHostRegister(address, size, 0)
+        if int(rc) != 0:
+            raise TowerError(f"cudaHostRegister of {size} bytes at {address:#x} failed ({rc})")
+        self._registered.append((address, size))
+        return True
+
+    def _all_registered(self, outs, idx) -> bool:
+        def inside(a) -> bool:
+            if a is None:
+                return True
+            p = a.__array_interface__["data"][0]
+            return any(b <= p and p + a.nbytes <= b + n for b, n in self._registered)
+
+        return bool(self._registered) and all(inside(outs[i][0]) and inside(outs[i][1]) for i in idx)
 
     def close(self) -> None:
         self.model = None
@@ -747,6 +774,10 @@ class _QwenTower(Tower):
             import torch
 
             if self.device.type == "cuda":
+                torch.cuda.synchronize()
+                for address, _ in self._registered:
+                    torch.cuda.cudart().cudaHostUnregister(address)
+                self._registered = []
                 torch.cuda.empty_cache()
         except Exception:
             pass
@@ -868,6 +899,9 @@ class TowerStage:
         self.jobs: list[tuple[TowerJob, list]] = []
         self.batches = 0
         self.items = 0
+        register = getattr(tower, "register_host_memory", None)
+        if register is not None:
+            register(emb_arena.address, emb_arena.size)
 
     def handle(self, source: str, batch) -> None:
         from ipc.arena import StaleLease
