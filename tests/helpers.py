@@ -1,8 +1,10 @@
 """Test helpers: a worker running in a thread, pixels, and the sim tower's rows computed independently."""
 from __future__ import annotations
 
+import os
 import socket
 import time
+import traceback
 
 import numpy as np
 import xxhash
@@ -11,6 +13,27 @@ from pipeline.config import WorkerConfig
 from pipeline.running import Running
 
 PATCH_DIM = 3 * 2 * 14 * 14
+
+
+def fork_call(fn, *args) -> int:
+    """Run ``fn(*args)`` in a forked child (exit 0 if it returns, 1 if it raises); its pid."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        code = 1
+        try:
+            fn(*args)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    return pid
+
+
+def wait_child(pid: int) -> int:
+    """Wait for a child; its exit code, or -signal if a signal killed it."""
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
 
 
 def free_port() -> int:

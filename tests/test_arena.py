@@ -8,7 +8,6 @@ import signal
 import struct
 import threading
 import time
-import traceback
 
 import pytest
 from hypothesis import strategies as st
@@ -17,36 +16,18 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, initialize, inva
 
 from ipc import arena as arena_mod
 from ipc import shm
+from tests.helpers import fork_call, wait_child
 from ipc.arena import Arena, ArenaFull, Lease, StaleLease
 
 
 # -- helpers ----------------------------------------------------------------------
 
 
-def _fork(fn, *args) -> int:
-    """Run ``fn(*args)`` in a forked child; exit 0 if it returns, 1 if it raises."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        code = 1
-        try:
-            fn(*args)
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    return pid
-
-
-def _wait(pid: int) -> int:
-    """Wait for a child; its exit code, or -signal if a signal killed it."""
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
 
 
 def _kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
-    assert _wait(pid) == -signal.SIGKILL
+    assert wait_child(pid) == -signal.SIGKILL
 
 
 def _kill_at_random_moment(pid: int, rng: random.Random, mid_mutation, aim: bool) -> bool:
@@ -412,7 +393,7 @@ def test_dead_holder_is_reclaimed_exactly(make_arena, shm_prefix):
         while True:
             time.sleep(1)
 
-    pid = _fork(child)
+    pid = fork_call(child)
     os.close(w)
     try:
         line = b""
@@ -494,7 +475,7 @@ def test_sigkill_mid_mutation_loop(make_arena, shm_prefix):
     model_mine = {lease: 1 for lease in mine}  # owner 0's references, known exactly
     r, w = os.pipe()
     stop_r, stop_w = os.pipe()
-    survivor = _fork(_hammer, shm_prefix, run_id, [survivor_owner], rng.randrange(2**32),
+    survivor = fork_call(_hammer, shm_prefix, run_id, [survivor_owner], rng.randrange(2**32),
                      list(mine), w, stop_r)
     assert os.read(r, 1) == b"r"
     kills = 0
@@ -503,7 +484,7 @@ def test_sigkill_mid_mutation_loop(make_arena, shm_prefix):
         for i in range(60):
             for lease in mine:  # the victim will drop these references as it likes
                 a.addref(lease, victim_owners[0])
-            victim = _fork(_hammer, shm_prefix, run_id, victim_owners, rng.randrange(2**32), list(mine), w)
+            victim = fork_call(_hammer, shm_prefix, run_id, victim_owners, rng.randrange(2**32), list(mine), w)
             assert os.read(r, 1) == b"r"
             _kill_at_random_moment(victim, rng, lambda: a._h[arena_mod._H_SEQ] & 1, aim=i % 2 == 1)
             kills += 1
@@ -524,7 +505,7 @@ def test_sigkill_mid_mutation_loop(make_arena, shm_prefix):
             assert a._check() == []
     finally:
         os.write(stop_w, b"s")
-        code = _wait(survivor)
+        code = wait_child(survivor)
         for fd in (r, w, stop_r, stop_w):
             os.close(fd)
     assert code == 0, "the surviving child failed"
@@ -585,7 +566,7 @@ def test_torn_metadata_is_rolled_back(make_arena, point, op):
             a.transfer(keep, 1, 3)
         raise AssertionError(f"fault point {point} was not reached")
 
-    assert _wait(_fork(child)) == -signal.SIGKILL
+    assert wait_child(fork_call(child)) == -signal.SIGKILL
     assert a._h[arena_mod._H_SEQ] & 1, "metadata should be left dirty"
     if op == "reclaim":
         # Slot by slot: ``keep`` (slot 0) was done before the kill, ``victim`` rolled back.
@@ -611,7 +592,7 @@ def test_reclaim_killed_midway_finishes_on_retry(make_arena):
         arena_mod._fault_hook = _die_at("reclaim.slot", nth=3)  # two slots done, third journaled
         a.reclaim(1)
 
-    assert _wait(_fork(child)) == -signal.SIGKILL
+    assert wait_child(fork_call(child)) == -signal.SIGKILL
     live = set(a.live_leases())
     assert leases[0] not in live and a.refs(leases[1]) == {0: 1}  # done before the kill
     assert a.refs(leases[2]) == {1: 1} and a.refs(leases[3]) == {1: 1}  # rolled back / untouched

@@ -5,7 +5,6 @@ import os
 import random
 import signal
 import time
-import traceback
 
 import pytest
 from hypothesis import strategies as st
@@ -14,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from ipc import rooms as rooms_mod
 from ipc import shm
+from tests.helpers import fork_call, wait_child
 from ipc.rooms import RoomEntry, RoomState, RoomTable, TableFull
 
 S = RoomState
@@ -21,23 +21,6 @@ LIVE = (S.BOOTSTRAPPING, S.QUEUED, S.ENCODING, S.TRANSFERRING)
 FINAL = (S.SUCCESS, S.FAILED)
 
 
-def _fork(fn, *args) -> int:
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        code = 1
-        try:
-            fn(*args)
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    return pid
-
-
-def _wait(pid: int) -> int:
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
 
 
 @pytest.fixture
@@ -387,7 +370,7 @@ def test_writer_killed_mid_update_loop(make_table, shm_prefix):
         for k in range(KILLS):
             child_seed = rng.randrange(2**32)
             before = _inactive(t)
-            pid = _fork(_writer, shm_prefix, t.run_id, child_seed, w, limit)
+            pid = fork_call(_writer, shm_prefix, t.run_id, child_seed, w, limit)
             assert os.read(r, 1) == b"r"
             end = time.monotonic() + rng.uniform(0, 0.004)
             while time.monotonic() < end:  # read while it writes
@@ -404,7 +387,7 @@ def test_writer_killed_mid_update_loop(make_table, shm_prefix):
                 os.kill(pid, signal.SIGCONT)
                 time.sleep(rng.uniform(0, 0.0003))
             os.kill(pid, signal.SIGKILL)
-            assert _wait(pid) == -signal.SIGKILL
+            assert wait_child(pid) == -signal.SIGKILL
             mid_update += _unpublished(t, before)
             got = _logical(t)
             for e in t.entries():
@@ -446,7 +429,7 @@ def test_writer_killed_at_each_point_leaves_old_value(make_table, point):
         t.fail(slot, 5, "never")  # the inherited object: the fork re-opened its lock
         raise AssertionError("fault point not reached")
 
-    assert _wait(_fork(child)) == -signal.SIGKILL
+    assert wait_child(fork_call(child)) == -signal.SIGKILL
     seq = t._seqv[slot]
     off = t._rec0 + (2 * slot + ((seq + 1) & 1)) * rooms_mod._REC
     inactive = t._mv[off:off + rooms_mod._REC].tobytes()
