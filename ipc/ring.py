@@ -415,38 +415,45 @@ class Ring:
 
     def _wait_space(self, need: int, timeout: float | None) -> bool:
         """Wait until ``need`` bytes are free; False on timeout."""
-        q = self._q
-        cap = self.capacity
-        if cap - (q[_HEAD] - q[_TAIL]) >= need:
+        q, cap = self._q, self.capacity
+        return self._sleep_until(lambda: cap - (q[_HEAD] - q[_TAIL]) >= need, timeout,
+                                 _PWAIT, _PSLEEPS, self._space_sem)
+
+    def _sleep_until(self, ready, timeout: float | None, flag: int, sleeps: int, sem) -> bool:
+        """The sleeper's half of the handshake (module doc), for either side: raise the
+        ``flag`` word, fence, re-check ``ready()``, and only then sleep on ``sem``, a slice
+        at a time, re-checking after every wake-up. False once ``timeout`` has passed."""
+        if ready():
             return True
         if timeout is not None:
             if timeout <= 0:
                 return False
             deadline = _monotonic() + timeout
+        q = self._q
         while True:
-            ticket = (q[_PWAIT] >> 1) + 1
-            q[_PWAIT] = (ticket << 1) | 1
-            _fence_acquire()  # full fence: the flag store before the tail load
+            ticket = (q[flag] >> 1) + 1
+            q[flag] = (ticket << 1) | 1
+            _fence_acquire()  # full fence: the flag store before the index load
             _fence_release()
-            if cap - (q[_HEAD] - q[_TAIL]) >= need:
-                q[_PWAIT] = ticket << 1
+            if ready():
+                q[flag] = ticket << 1
                 return True
             if timeout is None:
                 wait = WAIT_SLICE
             else:
                 wait = deadline - _monotonic()
                 if wait <= 0:
-                    q[_PWAIT] = ticket << 1
+                    q[flag] = ticket << 1
                     return False
                 if wait > WAIT_SLICE:
                     wait = WAIT_SLICE
-            q[_PSLEEPS] += 1
+            q[sleeps] += 1
             try:
-                self._space_sem.acquire(wait)
+                sem.acquire(wait)
             except (_BusyError, _SignalError):
                 pass
-            q[_PWAIT] = ticket << 1
-            if cap - (q[_HEAD] - q[_TAIL]) >= need:
+            q[flag] = ticket << 1
+            if ready():
                 return True
 
     def push(self, record, timeout: float | None = 0.0) -> bool:
@@ -543,37 +550,10 @@ class Ring:
     def _wait_data(self, timeout: float | None) -> bool:
         """Wait until the ring holds a record; False on timeout."""
         q = self._q
-        if q[_HEAD] != q[_TAIL]:
+        if q[_HEAD] != q[_TAIL]:  # the common case, without building a closure
             return True
-        if timeout is not None:
-            if timeout <= 0:
-                return False
-            deadline = _monotonic() + timeout
-        while True:
-            ticket = (q[_CWAIT] >> 1) + 1
-            q[_CWAIT] = (ticket << 1) | 1
-            _fence_acquire()  # full fence: the flag store before the head load
-            _fence_release()
-            if q[_HEAD] != q[_TAIL]:
-                q[_CWAIT] = ticket << 1
-                return True
-            if timeout is None:
-                wait = WAIT_SLICE
-            else:
-                wait = deadline - _monotonic()
-                if wait <= 0:
-                    q[_CWAIT] = ticket << 1
-                    return False
-                if wait > WAIT_SLICE:
-                    wait = WAIT_SLICE
-            q[_CSLEEPS] += 1
-            try:
-                self._data_sem.acquire(wait)
-            except (_BusyError, _SignalError):
-                pass
-            q[_CWAIT] = ticket << 1
-            if q[_HEAD] != q[_TAIL]:
-                return True
+        return self._sleep_until(lambda: q[_HEAD] != q[_TAIL], timeout,
+                                 _CWAIT, _CSLEEPS, self._data_sem)
 
     def _release(self, tail: int, end: int, count: int) -> None:
         q = self._q
