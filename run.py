@@ -21,20 +21,14 @@ import argparse
 import logging
 import multiprocessing as mp
 import signal
-import socket
 import sys
 import threading
 import time
 
 from pipeline.config import ConfigError, WorkerConfig, add_flags, from_args
+from pipeline.running import free_port
 
 MODES = ["pipeline", "inprocess"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------- serve
@@ -231,7 +225,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         if args.command == "demo":
-            over = {} if args.bootstrap else {"bootstrap": f"tcp://127.0.0.1:{_free_port()}"}
+            over = {} if args.bootstrap else {"bootstrap": f"tcp://127.0.0.1:{free_port()}"}
             if not args.shm_prefix:
                 over["shm_prefix"] = "epd_demo"
             cfg = from_args(args, **over)

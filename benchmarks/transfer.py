@@ -28,19 +28,12 @@ import numpy as np  # noqa: E402
 from ipc import shm  # noqa: E402
 from pipeline.client import Client, Item  # noqa: E402
 from pipeline.config import WorkerConfig  # noqa: E402
-from pipeline.running import Running  # noqa: E402
+from pipeline.running import Running, free_port  # noqa: E402
 
 HIDDEN, SPAN, DTYPE = 3584, 256, "bfloat16"
 ITEM_BYTES = SPAN * HIDDEN * 2
 GRID = (1, 32, 32)  # 1024 patches -> 256 rows
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def receiver_main(bootstrap: str, conn, n_rooms: int, window: int, first_room: int) -> None:

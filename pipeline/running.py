@@ -2,9 +2,17 @@
 for the demo, the tests and the benchmarks, which drive it from the same process."""
 from __future__ import annotations
 
+import socket
 import threading
 
 from pipeline.config import WorkerConfig
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (for a bootstrap endpoint of one's own)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 class Running:

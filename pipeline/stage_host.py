@@ -84,19 +84,11 @@ class IntakeJournal:
     def attach(cls, prefix: str, run_id: str) -> "IntakeJournal":
         return cls(shm.Segment.attach(shm.object_name(prefix, run_id, "intake.journal")))
 
-    def record(self, frame) -> None:
-        from pipeline import protocol
-
+    def record(self, room: int | None, names: list[str]) -> None:
         buf = self.seg.buf
-        if frame is None:
+        if room is None and not names:
             buf[:4] = b"\0\0\0\0"
             return
-        try:
-            msg = protocol.decode(frame)
-            names = protocol.shm_names(msg)
-            room = protocol.room_of(msg)
-        except protocol.ProtocolError:
-            names, room = [], None
         data = "\n".join([str(room if room is not None else "")] + names).encode()[: self.SIZE - 4]
         buf[4:4 + len(data)] = data
         buf[:4] = len(data).to_bytes(4, "little")  # last: the names are whole when the length is set

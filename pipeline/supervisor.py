@@ -215,7 +215,7 @@ class Supervisor:
                     os.unlink(os.path.join(shm.SHM_DIR, name[1:]))
                 except FileNotFoundError:
                     pass
-        self.journal.record(None)
+        self.journal.record(None, [])
         return room
 
     def _to_reaper(self, rec) -> None:

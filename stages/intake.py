@@ -71,6 +71,7 @@ class Intake:
         self.max_items = max_items_per_request
         self.max_pixel_bytes = max_pixel_bytes_per_request
         self.max_live_rooms = max_live_rooms
+        self.journal = None        # journal(room or None, segment names), set by a host that wants it
         self.dropped = Counter()   # reason -> messages dropped without a room to fail
         self.failed = Counter()    # reason kind -> rooms failed at intake
         self._seq = 0
@@ -138,6 +139,8 @@ class Intake:
         except ProtocolError as e:
             return self._drop(str(e))
         room = protocol.room_of(msg)
+        if self.journal is not None:
+            self.journal(room, protocol.shm_names(msg))
         if room is None:
             # Nobody to answer, but the segments are still ours to remove.
             self._close(self._take_segments(msg))
@@ -245,8 +248,8 @@ class Intake:
 class IntakeStage(Stage):
     """Frames from the intake socket in; rooms to the reaper and sender, items to the cache.
 
-    `journal(names)` (set by the pipeline host) records the segment names of the
-    frame being handled, so that if this process dies mid-frame the supervisor can
+    `journal(room, names)` (set by the pipeline host) records the room and segment
+    names of the frame being handled, so that if this process dies mid-frame the supervisor can
     unlink the segments it was about to take.
     """
 
@@ -257,6 +260,7 @@ class IntakeStage(Stage):
         super().__init__(emit, custody)
         self.intake = intake
         self.journal = journal
+        intake.journal = journal
         self.stalled: tuple[bytes, float] | None = None
 
     def accepting(self) -> bool:
@@ -266,8 +270,6 @@ class IntakeStage(Stage):
         self._handle(frame, time.monotonic())
 
     def _handle(self, frame: bytes, arrival: float) -> None:
-        if self.journal is not None:
-            self.journal(frame)
         res = self.intake.handle(frame, arrival)
         if res.stalled:
             self.stalled = (frame, arrival)
@@ -284,7 +286,7 @@ class IntakeStage(Stage):
             self.intake.rooms.advance(o.slot, o.room, RoomState.QUEUED)
             self.custody.release(o.slot, o.room)
         if self.journal is not None:
-            self.journal(None)
+            self.journal(None, [])
 
     def tick(self, now: float) -> None:
         if self.stalled is not None:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 import traceback
 
@@ -10,7 +9,7 @@ import numpy as np
 import xxhash
 
 from pipeline.config import WorkerConfig
-from pipeline.running import Running
+from pipeline.running import Running, free_port  # noqa: F401 (tests import it from here)
 
 PATCH_DIM = 3 * 2 * 14 * 14
 
@@ -34,12 +33,6 @@ def wait_child(pid: int) -> int:
     """Wait for a child; its exit code, or -signal if a signal killed it."""
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def expected_sim_rows(pixels: np.ndarray, modality: str, span: int, hidden: int, ds_width: int,
