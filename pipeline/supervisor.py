@@ -128,7 +128,9 @@ class Supervisor:
         if self.fatal is None:
             self.drain(0.0 if second is not None and second.is_set() else self.cfg.drain_timeout_s,
                        second)
-        return 0 if self.fatal is None else 1
+            return 0
+        self._stop_all(5.0)  # every live room failed (naming the stage), every stage stopped
+        return 1
 
     def check(self) -> None:
         now = time.monotonic()
