@@ -56,6 +56,11 @@ class WorkerConfig:
     restart_window_s: float = 30.0  # ... within this window ends the run
     drain_timeout_s: float = 10.0
     start_timeout_s: float = 300.0
+    # operations
+    metrics_endpoint: str = ""      # host:port of the Prometheus endpoint the supervisor serves; "" for none
+    numa: str = "auto"              # auto: the node nearest the tower's GPU (unpinned on one node); off;
+                                    # a node number for every stage; or per stage: "tower=1,sender=1,*=0"
+    gpu: int = 0                    # the CUDA device the tower uses (qwen towers on a CUDA machine)
 
     def resolved(self) -> "WorkerConfig":
         c = dataclasses.replace(self)
