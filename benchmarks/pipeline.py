@@ -476,6 +476,37 @@ def run_pair(tag: str, tmp: str, args, *, modes=("inprocess", "pipeline"), tower
             s.close()
 
 
+def load_sweep(tmp: str, args, windows: list[int], n: int) -> dict:
+    """images/s of both modes (cpu-bound settings) at each number of rooms in flight,
+    alternating the modes at each point as run_pair does."""
+    print(f"load: device {CPU_DEVICE_S * 1e3:.1f} ms/image, {n} images per point, rooms in flight "
+          f"{windows}", flush=True)
+    # steady_rate leaves out the first and last `window` completions of each point
+    counts = [max(n, 4 * w) for w in windows]
+    out = {"windows": windows, "images_per_point": counts, "inprocess": [], "pipeline": []}
+    warm = 2 * max(windows)
+    sessions: dict[str, Session] = {}
+    try:
+        for mode in ("inprocess", "pipeline"):
+            sessions[mode] = Session(mode, f"load_{mode[:3]}", tmp, args, rooms=warm + sum(counts),
+                                     tower="sim", device_s=CPU_DEVICE_S, grid=GRID)
+        for s in sessions.values():
+            s.warmup(warm, max(windows))
+        order = list(sessions.values())
+        for k, w in enumerate(windows):
+            for s in (order if k % 2 == 0 else order[::-1]):
+                s.trial(counts[k], w)
+                out[s.mode].append(s.res["trials"][-1]["images_per_s"])
+            print(f"  {w:>3} in flight: inprocess {out['inprocess'][-1]:7.1f}, pipeline "
+                  f"{out['pipeline'][-1]:7.1f} images/s (ratio "
+                  f"{out['pipeline'][-1] / max(out['inprocess'][-1], 1e-9):.2f})", flush=True)
+        out["raw"] = {mode: s.finish() for mode, s in sessions.items()}
+    finally:
+        for s in sessions.values():
+            s.close()
+    return out
+
+
 def steady_rate(done_at: list[float], skip: int) -> float:
     """Completions per second: least-squares slope of index against time, `skip` left
     out at both ends (fill and drain of the window)."""
@@ -573,7 +604,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write the results here")
     ap.add_argument("--window", type=int, default=64, help="rooms in flight at the receiver")
     ap.add_argument("--scenarios", default="cpu,device,tiny",
-                    help="comma-separated subset of cpu, device, tiny (device needs cpu)")
+                    help="comma-separated subset of cpu, device, tiny (device needs cpu), and load: "
+                         "images/s of both modes at each of --load-windows rooms in flight (not by default)")
+    ap.add_argument("--load-windows", default="1,2,4,8,16,32,64",
+                    help="rooms in flight for the load scenario (default %(default)s; at most --window)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--images", type=int, help="measured images per trial (overrides the defaults)")
     ap.add_argument("--trials", type=int, help="measured runs per mode (overrides the defaults)")
@@ -665,6 +699,14 @@ def main(argv=None) -> int:
             print(f"pipeline_vs_device_bound = {pip['images_per_s']:.1f} / {ceiling:.1f} = {ratio:.2f}  "
                   f"{_verdict('pipeline_vs_device_bound', ratio)}   (inprocess: "
                   f"{results['inprocess_vs_device_bound']:.2f}, no target)", flush=True)
+        if "load" in scenarios:
+            windows = [int(w) for w in args.load_windows.split(",")]
+            if max(windows) > args.window:
+                ap.error(f"--load-windows: {max(windows)} is more than --window {args.window}")
+            n_load = args.images or (80 if q else 150)
+            results["load"] = load_sweep(tmp, args, windows, n_load)
+            for mode, r in results["load"].pop("raw").items():
+                raw[f"load_{mode}"] = r
         if "tiny" in scenarios:
             print(f"tiny Qwen2.5-VL tower: grid {TINY_GRID}, {n_tiny} images x {trials_tiny} trials "
                   f"per mode, torch threads {args.torch_threads or 'default'} (no target)", flush=True)
