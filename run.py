@@ -1,34 +1,61 @@
 #!/usr/bin/env python3
 """The EPD encode worker.
 
-  python run.py                 the main job: the pipeline with its embedded defaults
-                                (tiny Qwen2.5-VL tower, Mooncake TCP on loopback), a
-                                receiver in its own process and a synthetic workload;
-                                prints progress, per-room results and a summary
-  python run.py serve [flags]   serve until SIGTERM/SIGINT (exit 0 after draining; a
-                                second signal skips the drain)
+  python run.py [demo] [flags]   the main job: the pipeline with its embedded defaults
+                                 (tiny Qwen2.5-VL tower, Mooncake TCP on loopback), a
+                                 receiver in its own process and a synthetic workload;
+                                 prints progress, per-room results and a summary
+  python run.py serve [flags]    serve until SIGTERM/SIGINT (exit 0 after draining; a
+                                 second signal skips the drain)
+  python run.py config [flags]   print the effective configuration, one key per line
+                                 with where its value came from (--json: as JSON)
+  python run.py status [flags]   what a running worker of this shm prefix is doing:
+                                 rooms by state, per-stage queue depth, restarts,
+                                 cache occupancy per tier (--json: as JSON)
+  python run.py bench [flags]    run the benchmarks (run.py bench --help)
+
+Settings: defaults < a TOML file (--config PATH) < EPD_<KEY> environment variables
+< flags; `run.py COMMAND --help` lists every one.
 
 --mode pipeline (the default) runs every stage in its own process under a
 supervisor; --mode inprocess runs the same stages in one process and one loop.
 
-Exit codes: 0 success; 1 the demo saw a failed room or a protocol violation, or
-a stage kept dying (restart limit); 2 bad configuration or flags; 3 the worker
-could not start.
+Exit codes (each command's are listed below): 0 success; 1 a failed room or
+protocol violation in the demo, a stage that kept dying, or a failed benchmark;
+2 bad configuration or flags; 3 the worker could not start; 4 (status) no worker
+with that shm prefix is running.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import multiprocessing as mp
+import os
 import signal
 import sys
+import textwrap
 import threading
 import time
 
-from pipeline.config import ConfigError, WorkerConfig, add_flags, from_args
+from pipeline.config import (ConfigError, WorkerConfig, add_flags, flags_given, format_config, load_config,
+                             setup_logging)
 from pipeline.running import free_port
 
 MODES = ["pipeline", "inprocess"]
+COMMANDS = ["demo", "serve", "config", "status", "bench"]
+log = logging.getLogger("epd.run")
+
+EXIT_CODES = {
+    "demo": "0 every room succeeded; 1 a room failed, a protocol violation, or a stage kept dying "
+            "(restart_limit); 2 bad configuration or flags; 3 the worker could not start",
+    "serve": "0 stopped by SIGTERM/SIGINT after draining; 1 a stage kept dying (more than restart_limit "
+             "restarts in restart_window_s); 2 bad configuration or flags; 3 the worker could not start",
+    "config": "0 the configuration is valid; 2 bad configuration or flags",
+    "status": "0 a worker with this shm prefix is running; 2 bad configuration or flags; "
+              "4 no worker with this shm prefix is running",
+    "bench": "0 every benchmark ran; 1 one failed; 2 bad flags",
+}
 
 
 # ---------------------------------------------------------------- serve
@@ -70,12 +97,13 @@ def serve(cfg: WorkerConfig, mode: str) -> int:
 
 
 # ---------------------------------------------------------------- demo
-def _receiver_main(bootstrap: str, conn) -> None:
+def _receiver_main(bootstrap: str, conn, cfg: WorkerConfig) -> None:
     """The prefill side: allocs for each room it is told of, then reports what arrived."""
     import hashlib
 
     from pipeline.receiver import Receiver
 
+    setup_logging(cfg, "receiver")
     r = Receiver("demo-prefill", bootstrap)
     conn.send(("ready", r.engine.session))
     pending: dict[int, int] = {}
@@ -149,7 +177,7 @@ def demo(cfg: WorkerConfig, mode: str) -> int:
     spec = worker.spec
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    rx = ctx.Process(target=_receiver_main, args=(worker.cfg.bootstrap, child), daemon=True)
+    rx = ctx.Process(target=_receiver_main, args=(worker.cfg.bootstrap, child, cfg), daemon=True)
     rx.start()
     results, violations = {}, []
     try:
@@ -214,28 +242,82 @@ def demo(cfg: WorkerConfig, mode: str) -> int:
     return 0 if ok == len(workload) and not violations else 1
 
 
+# ---------------------------------------------------------------- bench
+def bench(argv: list[str]) -> int:
+    """benchmarks/bench.py's main, with every flag after `bench` passed through."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks", "bench.py")
+    spec = importlib.util.spec_from_file_location("bench", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # so that what it pickles for child processes can be found
+    spec.loader.exec_module(module)
+    return module.main(argv)
+
+
+# ---------------------------------------------------------------- flags
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="run.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="exit codes:\n" + "\n".join(textwrap.fill(f"{name}: {text}", 88, initial_indent="  ",
+                                                          subsequent_indent="    ")
+                                            for name, text in EXIT_CODES.items()))
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND",
+                                     description="demo is the default when no command is given")
+    summaries = {
+        "demo": "the main job: a worker, a receiver and a synthetic workload; prints a summary",
+        "serve": "serve until SIGTERM/SIGINT, printing the effective configuration at start",
+        "config": "print the effective configuration and where each value came from",
+        "status": "rooms, queues, restarts and cache occupancy of a running worker (by shm prefix)",
+    }
+    for name, summary in summaries.items():
+        extra = "[--mode MODE] " if name in ("demo", "serve") else "[--json] "
+        description = summary
+        if name == "demo":
+            description += ("; unless set otherwise, it uses shm_prefix 'epd_demo' and a free port for "
+                            "bootstrap, so it runs beside a worker with the defaults")
+        sub = commands.add_parser(name, help=summary, description=description,
+                                  epilog="exit codes: " + EXIT_CODES[name],
+                                  usage=f"%(prog)s [-h] {extra}[--config PATH] [--<setting> VALUE ...]")
+        if name in ("demo", "serve"):
+            sub.add_argument("--mode", choices=MODES, default="pipeline",
+                             help="pipeline: each stage its own process (default); "
+                                  "inprocess: one process, one loop")
+        if name in ("config", "status"):
+            sub.add_argument("--json", action="store_true", help="print JSON instead of text")
+        add_flags(sub)
+    # Parsed by benchmarks/bench.py itself (see bench()); listed here for the command list.
+    commands.add_parser("bench", add_help=False, help="run the benchmarks; flags: run.py bench --help")
+    return parser
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", default="demo", choices=["demo", "serve"])
-    parser.add_argument("--mode", choices=MODES, default="pipeline",
-                        help="pipeline: each stage its own process; inprocess: one process, one loop")
-    parser.add_argument("--log-level", default="WARNING")
-    add_flags(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
+        argv = ["demo"] + argv
+    if argv[0] == "bench":
+        return bench(argv[1:])
+    args = build_parser().parse_args(argv)
+    # The demo runs beside whatever else runs here: its own prefix and a free port.
+    demo_defaults = ({"shm_prefix": "epd_demo", "bootstrap": f"tcp://127.0.0.1:{free_port()}"}
+                     if args.command == "demo" else {})
     try:
-        if args.command == "demo":
-            over = {} if args.bootstrap else {"bootstrap": f"tcp://127.0.0.1:{free_port()}"}
-            if not args.shm_prefix:
-                over["shm_prefix"] = "epd_demo"
-            cfg = from_args(args, **over)
-        else:
-            cfg = from_args(args)
-    except (ConfigError, TypeError) as e:
+        cfg, sources = load_config(args.config, flags_given(args), defaults=demo_defaults,
+                                   defaults_source="demo default")
+    except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.command == "config":
+        print(format_config(cfg, sources, as_json=args.json))
+        return 0
+    if args.command == "status":
+        setup_logging(cfg, "status")
+        from pipeline.status import main as status_main
+
+        return status_main(cfg, args.json)
+    setup_logging(cfg, "supervisor" if args.mode == "pipeline" else "worker")
     if args.command == "serve":
+        print("effective configuration:\n" + format_config(cfg, sources), file=sys.stderr, flush=True)
         return serve(cfg, args.mode)
+    log.info("effective configuration:\n%s", format_config(cfg, sources))
     return demo(cfg, args.mode)
 
 

@@ -1,66 +1,95 @@
-"""The worker's settings: one dataclass, validated at start, exposed as flags."""
+"""The worker's settings: one dataclass, loaded and validated at start.
+
+Where a value comes from, lowest to highest precedence: the default below, a TOML
+file (``--config PATH``, top-level keys named as the fields), an environment
+variable ``EPD_<KEY>`` (``EPD_MAX_TOKENS_PER_BATCH=2048``), a flag
+(``--max-tokens-per-batch 2048``). An unknown key in the file or an unknown
+``EPD_`` variable is an error, so a typo is not silently ignored; every error names
+the key and where the bad value came from.
+"""
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import json
+import logging
 import os
-from dataclasses import dataclass
+import tomllib
+from dataclasses import dataclass, field
 
 from ipc import shm
 
+ENV_PREFIX = "EPD_"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 
 class ConfigError(ValueError):
-    """A setting is invalid; the message names the setting."""
+    """A setting is invalid; the message names the setting (`key`, where known)."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+def setting(default, help: str):
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class WorkerConfig:
-    shm_prefix: str = "epd"
-    intake: str = ""            # default: ipc://<run dir>/intake.sock
-    bootstrap: str = "tcp://127.0.0.1:17600"
-    hostname: str = "127.0.0.1"  # the Mooncake engine's local address
-    protocol: str = "tcp"        # Mooncake protocol: tcp, or rdma when configured
-    device: str = ""             # RDMA device names, when protocol is rdma
-    run_dir: str = ""            # default: /tmp/epd-<prefix>
-    tower: str = "qwen2.5-vl"
-    tower_config: str = "tiny"   # qwen towers: "tiny" or a checkpoint directory
-    tower_dtype: str = ""        # qwen towers: float32 on CPU, bfloat16 on CUDA by default
-    sim_hidden: int = 3584
-    sim_deepstack_width: int = 0
-    sim_dtype: str = "bfloat16"
-    sim_merge: int = 2
-    sim_patch: int = 14
-    sim_temporal_patch: int = 2
-    sim_time_per_row_s: float = 2e-6
-    sim_fail_batches: int = 0  # fault injection: the sim tower fails its first N batches
-    max_items_per_request: int = 64
-    max_pixel_bytes_per_request: int = 256 << 20
-    max_tokens_per_batch: int = 4096
-    max_items_per_batch: int = 16
-    pixel_arena_bytes: int = 512 << 20
-    embedding_arena_bytes: int = 512 << 20
-    arena_cache_bytes: int = 128 << 20   # the ship-ready tier, inside the embedding arena
-    host_cache_bytes: int = 1 << 30      # the host-DRAM tier
-    trust_client_hash: bool = False
-    bootstrap_timeout_s: float = 120.0
-    tombstone_ttl_s: float = 600.0
-    max_tombstones: int = 65536
-    max_live_rooms: int = 4096
-    max_held_allocs: int = 65536
-    write_timeout_s: float = 30.0
-    status_hwm: int = 10000
-    # the multi-process pipeline
-    ring_bytes: int = 8 << 20
-    heartbeat_timeout_s: float = 30.0
-    restart_limit: int = 5          # more than this many restarts ...
-    restart_window_s: float = 30.0  # ... within this window ends the run
-    drain_timeout_s: float = 10.0
-    start_timeout_s: float = 300.0
-    # operations
-    metrics_endpoint: str = ""      # host:port of the Prometheus endpoint the supervisor serves; "" for none
-    numa: str = "auto"              # auto: the node nearest the tower's GPU (unpinned on one node); off;
-                                    # a node number for every stage; or per stage: "tower=1,sender=1,*=0"
-    gpu: int = 0                    # the CUDA device the tower uses (qwen towers on a CUDA machine)
+    shm_prefix: str = setting("epd", "prefix of the worker's shared-memory objects and of the client "
+                                     "segments it takes")
+    intake: str = setting("", "endpoint the worker receives encode requests on "
+                              "(default: ipc://<run_dir>/intake.sock)")
+    bootstrap: str = setting("tcp://127.0.0.1:17600", "tcp:// endpoint receivers send register, alloc "
+                                                      "and cancel to")
+    hostname: str = setting("127.0.0.1", "the Mooncake engine's local address")
+    protocol: str = setting("tcp", "Mooncake protocol: tcp, or rdma when configured")
+    device: str = setting("", "RDMA device names, when protocol is rdma")
+    run_dir: str = setting("", "directory for the worker's sockets (default: /tmp/epd-<shm_prefix>)")
+    tower: str = setting("qwen2.5-vl", "vision tower: sim, qwen2.5-vl or qwen3-vl")
+    tower_config: str = setting("tiny", "qwen towers: 'tiny' (seeded weights) or a checkpoint directory")
+    tower_dtype: str = setting("", "qwen towers: float32, float16 or bfloat16 "
+                                   "(default: float32 on CPU, bfloat16 on CUDA)")
+    sim_hidden: int = setting(3584, "sim tower: hidden size of an embedding row")
+    sim_deepstack_width: int = setting(0, "sim tower: width of the deepstack rows (0: none)")
+    sim_dtype: str = setting("bfloat16", "sim tower: float32, float16 or bfloat16")
+    sim_merge: int = setting(2, "sim tower: spatial merge factor (patches per row side)")
+    sim_patch: int = setting(14, "sim tower: patch side in pixels")
+    sim_temporal_patch: int = setting(2, "sim tower: frames per temporal patch")
+    sim_time_per_row_s: float = setting(2e-6, "sim tower: simulated device time per output row, seconds")
+    sim_fail_batches: int = setting(0, "fault injection: the sim tower fails its first N batches")
+    max_items_per_request: int = setting(64, "a request with more items fails at intake")
+    max_pixel_bytes_per_request: int = setting(256 << 20, "a request with more pixel bytes fails at intake")
+    max_tokens_per_batch: int = setting(4096, "scheduler: output rows per tower batch at most")
+    max_items_per_batch: int = setting(16, "scheduler: items per tower batch at most")
+    pixel_arena_bytes: int = setting(512 << 20, "shared memory for pixels between intake and the tower")
+    embedding_arena_bytes: int = setting(512 << 20, "shared memory for embeddings, registered with Mooncake")
+    arena_cache_bytes: int = setting(128 << 20, "the ship-ready cache tier, inside the embedding arena "
+                                                "(at most half of it)")
+    host_cache_bytes: int = setting(1 << 30, "the host-DRAM cache tier")
+    trust_client_hash: bool = setting(False, "use the client's content hash instead of hashing the pixels")
+    bootstrap_timeout_s: float = setting(120.0, "a room whose allocs have not all arrived by then fails")
+    tombstone_ttl_s: float = setting(600.0, "how long a concluded room is remembered (late allocs, cancels)")
+    max_tombstones: int = setting(65536, "concluded rooms remembered at most")
+    max_live_rooms: int = setting(4096, "rooms in flight at most; more fail at intake")
+    max_held_allocs: int = setting(65536, "allocs held for rooms the sender has not seen yet, at most")
+    status_hwm: int = setting(10000, "statuses queued per receiver before further ones are dropped")
+    ring_bytes: int = setting(8 << 20, "pipeline: size of each ring between two stages")
+    heartbeat_timeout_s: float = setting(30.0, "pipeline: a stage silent this long is killed and restarted")
+    restart_limit: int = setting(5, "pipeline: more than this many restarts within restart_window_s "
+                                    "end the run")
+    restart_window_s: float = setting(30.0, "pipeline: the window restart_limit counts restarts in")
+    drain_timeout_s: float = setting(10.0, "on SIGTERM/SIGINT, how long rooms in flight may finish")
+    start_timeout_s: float = setting(300.0, "pipeline: how long a stage may take to become ready")
+    metrics_endpoint: str = setting("", "host:port of the Prometheus endpoint the supervisor serves "
+                                        "('' for none)")
+    numa: str = setting("auto", "NUMA placement: auto (the node nearest the tower's GPU), off, a node number, "
+                                "or per stage: 'tower=1,sender=1,*=0'")
+    gpu: int = setting(0, "the CUDA device the tower uses (qwen towers on a CUDA machine)")
+    log_level: str = setting("WARNING", "DEBUG, INFO, WARNING or ERROR, for the supervisor and every "
+                                        "stage process")
 
     def resolved(self) -> "WorkerConfig":
         c = dataclasses.replace(self)
@@ -74,7 +103,7 @@ class WorkerConfig:
         try:
             shm.check_prefix(self.shm_prefix)
         except ValueError as e:
-            raise ConfigError(f"shm_prefix: {e}") from None
+            raise ConfigError(f"shm_prefix: {e}", "shm_prefix") from None
         positive = [
             "max_items_per_request", "max_pixel_bytes_per_request", "max_tokens_per_batch",
             "max_items_per_batch", "pixel_arena_bytes", "embedding_arena_bytes",
@@ -83,34 +112,46 @@ class WorkerConfig:
         ]
         for name in positive:
             if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ["bootstrap_timeout_s", "tombstone_ttl_s", "write_timeout_s", "heartbeat_timeout_s",
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}", name)
+        for name in ["bootstrap_timeout_s", "tombstone_ttl_s", "heartbeat_timeout_s",
                      "restart_window_s", "start_timeout_s"]:
             if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}", name)
         for name in ["arena_cache_bytes", "host_cache_bytes", "sim_deepstack_width", "sim_time_per_row_s",
-                     "drain_timeout_s", "sim_fail_batches"]:
+                     "drain_timeout_s", "sim_fail_batches", "gpu"]:
             if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}", name)
         if self.arena_cache_bytes > self.embedding_arena_bytes // 2:
             raise ConfigError(
                 f"arena_cache_bytes ({self.arena_cache_bytes}) must leave at least half of "
-                f"embedding_arena_bytes ({self.embedding_arena_bytes}) for embeddings in flight"
-            )
-        if self.protocol not in ("tcp", "rdma"):
-            raise ConfigError(f"protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
-        if self.sim_dtype not in ("float32", "float16", "bfloat16"):
-            raise ConfigError(f"sim_dtype must be float32, float16 or bfloat16, got {self.sim_dtype!r}")
-        if self.tower_dtype not in ("", "float32", "float16", "bfloat16"):
-            raise ConfigError(f"tower_dtype must be float32, float16 or bfloat16, got {self.tower_dtype!r}")
-        if self.tower not in ("sim", "qwen2.5-vl", "qwen3-vl"):
-            raise ConfigError(f"tower must be sim, qwen2.5-vl or qwen3-vl, got {self.tower!r}")
-        for name in ["intake", "bootstrap"]:
-            ep = getattr(self, name)
-            if ep and not ep.startswith(("ipc://", "tcp://")):
-                raise ConfigError(f"{name} must be an ipc:// or tcp:// endpoint, got {ep!r}")
+                f"embedding_arena_bytes ({self.embedding_arena_bytes}) for embeddings in flight",
+                "arena_cache_bytes")
+        choices = {
+            "protocol": ("tcp", "rdma"),
+            "sim_dtype": ("float32", "float16", "bfloat16"),
+            "tower_dtype": ("", "float32", "float16", "bfloat16"),
+            "tower": ("sim", "qwen2.5-vl", "qwen3-vl"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                shown = ", ".join(repr(a) for a in allowed)
+                raise ConfigError(f"{name} must be one of {shown}, got {getattr(self, name)!r}", name)
+        if self.tower != "sim" and self.tower_config != "tiny" and not os.path.isdir(self.tower_config):
+            raise ConfigError(f"tower_config must be 'tiny' or a checkpoint directory; {self.tower_config!r} "
+                              f"is not a directory", "tower_config")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}",
+                              "log_level")
+        if self.intake and not self.intake.startswith(("ipc://", "tcp://")):
+            raise ConfigError(f"intake must be an ipc:// or tcp:// endpoint, got {self.intake!r}", "intake")
         if not self.bootstrap.startswith("tcp://"):
-            raise ConfigError(f"bootstrap must be a tcp:// endpoint, got {self.bootstrap!r}")
+            raise ConfigError(f"bootstrap must be a tcp:// endpoint, got {self.bootstrap!r}", "bootstrap")
+        if self.metrics_endpoint:
+            host, _, port = self.metrics_endpoint.rpartition(":")
+            if not host or not port.isdigit() or int(port) > 65535:
+                raise ConfigError(f"metrics_endpoint must be '' or host:port (a port 0-65535), "
+                                  f"got {self.metrics_endpoint!r}", "metrics_endpoint")
+        parse_numa(self.numa)
         return self
 
     def tower_settings(self) -> dict:
@@ -128,23 +169,184 @@ class WorkerConfig:
             settings["config"] = self.tower_config
         if self.tower_dtype:
             settings["dtype"] = self.tower_dtype
+        settings["gpu"] = self.gpu
         return settings
 
 
+def parse_numa(text: str) -> str | dict[str, int]:
+    """`numa` as "auto", "off", or {stage or "*": node}; a bare node number is {"*": node}."""
+    from pipeline.wiring import STAGES  # wiring imports this module
+
+    if text in ("auto", "off"):
+        return text
+    if text.isdigit():
+        return {"*": int(text)}
+    plan: dict[str, int] = {}
+    for part in text.split(","):
+        stage, eq, node = (s.strip() for s in part.partition("="))
+        if not eq or not node.isdigit():
+            raise ConfigError(f"numa must be auto, off, a node number or 'stage=node,...,*=node', "
+                              f"got {text!r} (bad part {part.strip()!r})", "numa")
+        if stage != "*" and stage not in STAGES:
+            raise ConfigError(f"numa names no stage {stage!r}: stages are {', '.join(STAGES)} "
+                              f"(or * for the rest)", "numa")
+        if stage in plan:
+            raise ConfigError(f"numa gives {stage!r} twice in {text!r}", "numa")
+        plan[stage] = int(node)
+    return plan
+
+
+# ---------------------------------------------------------------- loading
+FIELDS = {f.name: f for f in dataclasses.fields(WorkerConfig)}
+_KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+
+
+def flag_name(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def env_name(key: str) -> str:
+    return ENV_PREFIX + key.upper()
+
+
+def _unknown(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _typed(key: str, value, where: str, from_text: bool):
+    """`value` as the field's type; `from_text`: parse a string (an environment variable)."""
+    kind = FIELDS[key].type
+    if from_text and isinstance(value, str) and kind != "str":
+        text = value.strip()
+        try:
+            if kind == "bool":
+                value = {"true": True, "1": True, "yes": True, "on": True,
+                         "false": False, "0": False, "no": False, "off": False}[text.lower()]
+            else:
+                value = int(text) if kind == "int" else float(text)
+        except (KeyError, ValueError):
+            raise ConfigError(f"{where}: expected {_KINDS[kind]}, got {value!r}", key) from None
+    ok = {"bool": isinstance(value, bool),
+          "int": isinstance(value, int) and not isinstance(value, bool),
+          "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+          "str": isinstance(value, str)}[kind]
+    if not ok:
+        raise ConfigError(f"{where}: expected {_KINDS[kind]}, got {value!r}", key)
+    return float(value) if kind == "float" else value
+
+
+def read_toml(path: str) -> dict:
+    """The settings in a TOML file, typed and checked against the known keys."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot read it: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: not valid TOML: {e}") from None
+    out = {}
+    for key, value in data.items():
+        if key not in FIELDS:
+            raise ConfigError(f"{path}: unknown key {key!r}{_unknown(key, list(FIELDS))}", key)
+        out[key] = _typed(key, value, f"{path}: {key}", from_text=False)
+    return out
+
+
+def read_environ(environ) -> dict:
+    """The settings in `EPD_<KEY>` environment variables, typed; any other EPD_ name is an error."""
+    known = {env_name(k): k for k in FIELDS}
+    out = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        if name not in known:
+            raise ConfigError(f"{name}: no such setting{_unknown(name, list(known))}; "
+                              f"{ENV_PREFIX}* variables name configuration keys", name)
+        out[known[name]] = _typed(known[name], value, name, from_text=True)
+    return out
+
+
+def load_config(path: str | None = None, flags: dict | None = None, environ=None,
+                defaults: dict | None = None, defaults_source: str = "default"):
+    """The effective configuration (resolved and validated) and where each value came from.
+
+    Precedence: `defaults` (labelled `defaults_source`) over the built-in defaults,
+    then the TOML file at `path`, then `environ` (os.environ when None), then `flags`.
+    Sources are "default", `defaults_source`, the file's path, "EPD_<KEY>" or "--flag";
+    run_dir and intake left empty are "derived from ...".
+    """
+    values: dict = {}
+    sources = {key: "default" for key in FIELDS}
+    layers = [(defaults or {}, lambda k: defaults_source)]
+    if path:
+        layers.append((read_toml(path), lambda k: path))
+    layers.append((read_environ(os.environ if environ is None else environ), env_name))
+    layers.append((flags or {}, flag_name))
+    for layer, source in layers:
+        for key, value in layer.items():
+            values[key] = value
+            sources[key] = source(key)
+    given = WorkerConfig(**values)
+    cfg = given.resolved()
+    if not given.run_dir:
+        sources["run_dir"] = "derived from shm_prefix"
+    if not given.intake:
+        sources["intake"] = "derived from run_dir"
+    try:
+        cfg.validate()
+    except ConfigError as e:
+        where = sources.get(e.key or "", "default")
+        if where == "default" or where.startswith("derived"):
+            raise
+        raise ConfigError(f"{e} (set by {where})", e.key) from None
+    return cfg, sources
+
+
+def format_config(cfg: WorkerConfig, sources: dict, as_json: bool = False) -> str:
+    """One key per line as TOML (`key = value  # source`, loadable with --config), or JSON."""
+    values = dataclasses.asdict(cfg)
+    if as_json:
+        return json.dumps({k: {"value": v, "source": sources[k]} for k, v in values.items()}, indent=2)
+    width = max(len(f"{k} = {json.dumps(v)}") for k, v in values.items())
+    return "\n".join(f"{f'{k} = {json.dumps(v)}':<{width}}  # {sources[k]}" for k, v in values.items())
+
+
+# ---------------------------------------------------------------- flags
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per setting: --max-tokens-per-batch for max_tokens_per_batch, and so on."""
+    """`--config PATH` and one flag per setting: --max-tokens-per-batch for max_tokens_per_batch..."""
+    parser.add_argument("--config", metavar="PATH",
+                        help="a TOML file of settings (top-level keys named as below, with underscores)")
+    group = parser.add_argument_group(
+        "settings", f"each also {ENV_PREFIX}<KEY> in the environment (EPD_RING_BYTES); "
+                    f"precedence: default < --config file < environment < flag")
     for f in dataclasses.fields(WorkerConfig):
-        flag = "--" + f.name.replace("_", "-")
+        text = f.metadata["help"]
+        if "(default:" not in text:
+            text += f" (default: {f.default!r})"
         if f.type == "bool":
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+            group.add_argument(flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=None, help=text)
         else:
-            conv = {"int": int, "float": float, "str": str}[f.type]
-            parser.add_argument(flag, dest=f.name, type=conv, default=None,
-                                help=f"(default: {f.default!r})")
+            conv, metavar = {"int": (int, "N"), "float": (float, "X"), "str": (str, "TEXT")}[f.type]
+            group.add_argument(flag_name(f.name), dest=f.name, type=conv, default=None,
+                               metavar=metavar, help=text)
 
 
-def from_args(args: argparse.Namespace, **overrides) -> WorkerConfig:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(WorkerConfig)
-              if getattr(args, f.name, None) is not None}
-    values.update(overrides)
-    return WorkerConfig(**values).resolved().validate()
+def flags_given(args: argparse.Namespace) -> dict:
+    """The settings given as flags (those left out are None)."""
+    return {key: getattr(args, key) for key in FIELDS if getattr(args, key, None) is not None}
+
+
+# ---------------------------------------------------------------- logging
+def setup_logging(cfg: WorkerConfig, role: str) -> None:
+    """This process's logging: one line per event on stderr, with time, level, role (a
+    stage's name, "supervisor" or "worker"), pid, logger and message; level from cfg."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(
+        f"%(asctime)s %(levelname)s {role}[%(process)d] %(name)s: %(message)s"))
+    root = logging.getLogger()
+    for old in root.handlers[:]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(cfg.log_level.upper())

@@ -19,7 +19,8 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 _counter = itertools.count()
 # One token per test session (xdist workers inherit it): prefixes carry it, so the
 # end-of-session check sees this session's objects and not another's running beside it.
-TOKEN = os.environ.setdefault("EPD_TEST_TOKEN", secrets.token_hex(2))
+# (Not EPD_*: those are the worker's settings, and run.py rejects unknown ones.)
+TOKEN = os.environ.setdefault("TEST_SHM_TOKEN", secrets.token_hex(2))
 
 
 def _shm_entries() -> set[str]:

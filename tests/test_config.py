@@ -1,0 +1,203 @@
+"""The configuration: defaults < TOML file < EPD_* environment < flags, with sources;
+every error names the key and where the bad value came from."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import tomllib
+
+import pytest
+
+from pipeline.config import (FIELDS, ConfigError, WorkerConfig, format_config, load_config, parse_numa,
+                             setup_logging)
+
+
+def write(tmp_path, text: str) -> str:
+    path = tmp_path / "worker.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_alone():
+    cfg, sources = load_config(environ={})
+    assert cfg == WorkerConfig().resolved()
+    assert sources["run_dir"] == "derived from shm_prefix"
+    assert sources["intake"] == "derived from run_dir"
+    assert {s for k, s in sources.items() if k not in ("run_dir", "intake")} == {"default"}
+
+
+def test_precedence_file_env_flag_with_sources(tmp_path):
+    path = write(tmp_path, 'ring_bytes = 1024\nmax_tokens_per_batch = 100\nsim_hidden = 10\n'
+                           'tower = "sim"\nsim_time_per_row_s = 1\ntrust_client_hash = true\n')
+    environ = {"EPD_MAX_TOKENS_PER_BATCH": "2048", "EPD_SIM_HIDDEN": "20", "PATH": "/bin"}
+    cfg, sources = load_config(path, flags={"sim_hidden": 30}, environ=environ)
+    assert (cfg.ring_bytes, cfg.max_tokens_per_batch, cfg.sim_hidden) == (1024, 2048, 30)
+    assert cfg.tower == "sim" and cfg.trust_client_hash is True
+    assert cfg.sim_time_per_row_s == 1.0 and isinstance(cfg.sim_time_per_row_s, float)
+    assert sources["ring_bytes"] == path
+    assert sources["max_tokens_per_batch"] == "EPD_MAX_TOKENS_PER_BATCH"
+    assert sources["sim_hidden"] == "--sim-hidden"
+    assert sources["max_items_per_batch"] == "default"
+
+
+def test_lower_layer_defaults_are_overridden_and_labelled(tmp_path):
+    cfg, sources = load_config(environ={"EPD_SHM_PREFIX": "mine"},
+                               defaults={"shm_prefix": "epd_demo", "bootstrap": "tcp://127.0.0.1:1"},
+                               defaults_source="demo default")
+    assert cfg.shm_prefix == "mine" and sources["shm_prefix"] == "EPD_SHM_PREFIX"
+    assert cfg.bootstrap == "tcp://127.0.0.1:1" and sources["bootstrap"] == "demo default"
+    assert cfg.run_dir == "/tmp/epd-mine"
+
+
+def test_environment_values_are_parsed_by_type():
+    cfg, _ = load_config(environ={"EPD_TRUST_CLIENT_HASH": "yes", "EPD_DRAIN_TIMEOUT_S": "2.5",
+                                  "EPD_RING_BYTES": " 4096 ", "EPD_DEVICE": "mlx5_0"})
+    assert cfg.trust_client_hash is True and cfg.drain_timeout_s == 2.5
+    assert cfg.ring_bytes == 4096 and cfg.device == "mlx5_0"
+
+
+@pytest.mark.parametrize("name, value, expected", [
+    ("EPD_RING_BYTES", "x", "EPD_RING_BYTES: expected an integer, got 'x'"),
+    ("EPD_RING_BYTES", "1.5", "EPD_RING_BYTES: expected an integer, got '1.5'"),
+    ("EPD_DRAIN_TIMEOUT_S", "soon", "EPD_DRAIN_TIMEOUT_S: expected a number, got 'soon'"),
+    ("EPD_TRUST_CLIENT_HASH", "maybe", "EPD_TRUST_CLIENT_HASH: expected true or false, got 'maybe'"),
+])
+def test_bad_environment_value_names_the_variable(name, value, expected):
+    with pytest.raises(ConfigError) as e:
+        load_config(environ={name: value})
+    assert str(e.value) == expected
+
+
+def test_unknown_environment_variable_is_an_error():
+    with pytest.raises(ConfigError) as e:
+        load_config(environ={"EPD_RING_BYTE": "1024"})
+    assert "EPD_RING_BYTE: no such setting" in str(e.value)
+    assert "did you mean EPD_RING_BYTES?" in str(e.value)
+    load_config(environ={"EPDX_RING_BYTE": "1", "epd_ring_byte": "1"})  # not the prefix: not ours
+
+
+@pytest.mark.parametrize("line, expected", [
+    ('ring_bytes = "x"', "ring_bytes: expected an integer, got 'x'"),
+    ("ring_bytes = 1.5", "ring_bytes: expected an integer, got 1.5"),
+    ("ring_bytes = true", "ring_bytes: expected an integer, got True"),
+    ("tower = 3", "tower: expected a string, got 3"),
+    ('trust_client_hash = "yes"', "trust_client_hash: expected true or false, got 'yes'"),
+    ("drain_timeout_s = false", "drain_timeout_s: expected a number, got False"),
+])
+def test_bad_type_in_file_names_the_file_and_key(tmp_path, line, expected):
+    path = write(tmp_path, line + "\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, environ={})
+    assert str(e.value) == f"{path}: {expected}"
+
+
+def test_unknown_key_in_file_is_an_error(tmp_path):
+    path = write(tmp_path, "max_tokens_per_bach = 10\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, environ={})
+    assert str(e.value) == f"{path}: unknown key 'max_tokens_per_bach' (did you mean max_tokens_per_batch?)"
+    path = write(tmp_path, "[worker]\nring_bytes = 10\n")  # keys are top level
+    with pytest.raises(ConfigError, match="unknown key 'worker'"):
+        load_config(path, environ={})
+
+
+def test_unreadable_or_malformed_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"--config .*nope.toml: cannot read it"):
+        load_config(str(tmp_path / "nope.toml"), environ={})
+    path = write(tmp_path, "ring_bytes = = 3\n")
+    with pytest.raises(ConfigError, match=f"--config {re.escape(path)}: not valid TOML"):
+        load_config(path, environ={})
+
+
+def test_invalid_value_names_the_key_and_its_source(tmp_path):
+    path = write(tmp_path, "ring_bytes = 0\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, environ={})
+    assert str(e.value) == f"ring_bytes must be >= 1, got 0 (set by {path})" and e.value.key == "ring_bytes"
+    with pytest.raises(ConfigError) as e:
+        load_config(environ={"EPD_PROTOCOL": "udp"})
+    assert str(e.value).startswith("protocol must be one of")
+    assert str(e.value).endswith("(set by EPD_PROTOCOL)")
+    with pytest.raises(ConfigError) as e:
+        load_config(flags={"restart_window_s": 0.0}, environ={})
+    assert str(e.value) == "restart_window_s must be > 0, got 0.0 (set by --restart-window-s)"
+
+
+@pytest.mark.parametrize("key, value", [
+    ("gpu", -1), ("log_level", "LOUD"), ("metrics_endpoint", "9100"), ("metrics_endpoint", "host:"),
+    ("metrics_endpoint", "host:99999"), ("metrics_endpoint", ":9100"), ("numa", "two"), ("numa", "tower"),
+    ("numa", "tower=x"), ("numa", "towr=1"), ("numa", "tower=1,tower=2"), ("numa", "-1"),
+    ("tower", "clip"), ("tower_config", "/nonexistent/checkpoint"), ("sim_dtype", "int8"),
+    ("bootstrap", "ipc:///tmp/x"), ("intake", "udp://x"),
+    ("shm_prefix", "a/b"), ("max_live_rooms", 0), ("drain_timeout_s", -1.0), ("arena_cache_bytes", 1 << 40),
+])
+def test_validate_names_the_key(key, value):
+    with pytest.raises(ConfigError) as e:
+        dataclasses.replace(WorkerConfig(), **{key: value}).resolved().validate()
+    assert e.value.key == key and str(e.value).startswith(key), str(e.value)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("gpu", 3), ("log_level", "debug"), ("log_level", "ERROR"), ("metrics_endpoint", "127.0.0.1:9100"),
+    ("metrics_endpoint", "[::1]:0"), ("tower_config", "/"), ("numa", "off"), ("numa", "1"),
+    ("numa", "tower=1, sender=1,*=0"),
+])
+def test_validate_accepts(key, value):
+    dataclasses.replace(WorkerConfig(), **{key: value}).resolved().validate()
+
+
+def test_parse_numa():
+    assert parse_numa("auto") == "auto" and parse_numa("off") == "off"
+    assert parse_numa("2") == {"*": 2}
+    assert parse_numa("tower=1,sender=1,*=0") == {"tower": 1, "sender": 1, "*": 0}
+
+
+def test_every_key_has_one_line_of_help():
+    for name, f in FIELDS.items():
+        text = f.metadata.get("help", "")
+        assert text and "\n" not in text, name
+
+
+def test_printed_configuration_loads_back_as_toml(tmp_path):
+    cfg, sources = load_config(flags={"ring_bytes": 4096, "trust_client_hash": True, "tower_dtype": ""},
+                               environ={"EPD_SIM_TIME_PER_ROW_S": "2e-7"})
+    text = format_config(cfg, sources)
+    lines = text.splitlines()
+    assert len(lines) == len(FIELDS)
+    assert re.fullmatch(r"ring_bytes = 4096 +# --ring-bytes", lines[list(FIELDS).index("ring_bytes")])
+    assert re.fullmatch(r"sim_time_per_row_s = 2e-07 +# EPD_SIM_TIME_PER_ROW_S",
+                        lines[list(FIELDS).index("sim_time_per_row_s")])
+    path = write(tmp_path, text)
+    assert tomllib.loads(text) == dataclasses.asdict(cfg)
+    again, again_sources = load_config(path, environ={})
+    assert again == cfg and set(again_sources.values()) == {path}
+    as_json = json.loads(format_config(cfg, sources, as_json=True))
+    assert as_json["ring_bytes"] == {"value": 4096, "source": "--ring-bytes"}
+    assert as_json["run_dir"] == {"value": "/tmp/epd-epd", "source": "derived from shm_prefix"}
+    assert list(as_json) == list(FIELDS)
+
+
+@pytest.fixture
+def root_logger():
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield root
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_setup_logging_format_and_level(root_logger, capsys):
+    setup_logging(WorkerConfig(log_level="info"), "sender")
+    log = logging.getLogger("epd.test")
+    log.info("room failed: room=%d request_id=%s", 7, "r-7")
+    log.debug("not shown")
+    setup_logging(WorkerConfig(log_level="ERROR"), "supervisor")  # replaces, not adds, a handler
+    log.warning("not shown either")
+    log.error("shown")
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2, lines
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO sender\[\d+\] epd\.test: "
+                        r"room failed: room=7 request_id=r-7", lines[0])
+    assert re.fullmatch(r"\S+ \S+ ERROR supervisor\[\d+\] epd\.test: shown", lines[1])
