@@ -1,0 +1,318 @@
+"""Prometheus metrics: one collector that reads the worker's state when it is scraped.
+
+Each stage keeps monotonic totals (and histograms with the fixed buckets below) in
+its `stats()` dict. In the pipeline every stage process publishes that dict to the
+StatsBoard a few times a second, and the supervisor serves the endpoint: its
+collector reads the board, the heartbeat rows, the rings and the arenas at scrape
+time. That is what makes it multi-process aware without prometheus_client's
+file-based multiprocess mode (which leaves files behind). A restarted stage starts
+counting from zero, so `StageTotals` keeps what a dead stage last published and adds
+it: counters never go backwards.
+
+This module imports prometheus_client only where it serves: the stages import the
+histogram and the reason classes from here.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from typing import Callable
+
+log = logging.getLogger("epd.metrics")
+
+# Upper bounds (seconds) of every histogram's buckets; +Inf is implicit.
+SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                   1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Histogram:
+    """Counts per bucket (not cumulative; the last is +Inf) and the sum, for a stats() dict."""
+
+    def __init__(self):
+        self.counts = [0] * (len(SECONDS_BUCKETS) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(SECONDS_BUCKETS, seconds)] += 1  # bucket i holds v <= bound i
+        self.sum += seconds
+
+    def snapshot(self) -> dict:
+        return {"counts": list(self.counts), "sum": self.sum}
+
+
+# Failure reasons are free text (room ids, sizes, receiver names in them); a label takes
+# the first class whose words appear in the reason, so the label set stays bounded.
+REASON_CLASSES = [
+    ("deadline", ("deadline exceeded",)),
+    ("canceled", ("canceled",)),
+    ("shutdown", ("worker shutting down", "worker stopped")),
+    ("bootstrap_timeout", ("bootstrap_timeout_s",)),
+    ("stage_died", ("stage died", "died)", "was lost", "were lost", "lost (", "reclaimed")),
+    ("tower_error", ("tower failed",)),
+    ("transfer_error", ("transfer to receiver",)),
+    ("bad_alloc", ("alloc for item", "allocs for item", "shards of item")),
+    ("duplicate_room", ("duplicate room",)),
+    ("table_full", ("room table full",)),
+    ("table_damaged", ("damaged",)),
+    ("over_limit", ("max_live_rooms", "max_pixel_bytes_per_request", "pixel arena holds")),
+    ("unreadable", ("room cannot be read", "not a msgpack message", "message is not a map")),
+    ("bad_request", ("item ", "segment ", "request_id", "deadline_ms", "items must", "intake takes",
+                     "room must", "protocol version", "message type")),
+]
+
+
+def reason_class(reason: str) -> str:
+    """The bounded label for a failure reason: one of REASON_CLASSES' names, or "other"."""
+    for name, words in REASON_CLASSES:
+        if any(w in reason for w in words):
+            return name
+    return "other"
+
+
+# ------------------------------------------------------------------ totals
+
+@dataclass
+class Totals:
+    """Monotonic samples: counters by (metric, labels), histograms by metric ([counts], sum)."""
+    counters: dict = field(default_factory=dict)
+    histograms: dict = field(default_factory=dict)
+
+    def add(self, other: "Totals") -> None:
+        for key, v in other.counters.items():
+            self.counters[key] = self.counters.get(key, 0) + v
+        for name, (counts, total) in other.histograms.items():
+            mine = self.histograms.get(name)
+            if mine is None:
+                self.histograms[name] = (list(counts), total)
+            else:
+                self.histograms[name] = ([a + b for a, b in zip(mine[0], counts)], mine[1] + total)
+
+
+# stats() key -> counter (no labels)
+_PLAIN_COUNTERS = {
+    "tower_batches": "epd_tower_batches_total",
+    "tower_items": "epd_tower_items_total",
+    "tower_rows": "epd_tower_rows_total",
+    "bytes_written": "epd_transfer_bytes_total",
+    "transfer_failures": "epd_transfer_failures_total",
+}
+# stats() key -> histogram
+_HISTOGRAMS = {
+    "tower_batch_seconds": "epd_tower_batch_seconds",
+    "transfer_seconds": "epd_transfer_seconds",
+    "room_latency_seconds": "epd_room_latency_seconds",
+}
+
+
+def totals_of(stats: dict) -> Totals:
+    """The monotonic totals in one stage's stats() (each stage reports keys of its own)."""
+    t = Totals()
+    c = t.counters
+    for (outcome, reason), n in stats.get("requests", {}).items():
+        c[("epd_requests_total", (outcome, reason))] = n
+    for (outcome, reason), n in stats.get("rooms_concluded", {}).items():
+        c[("epd_rooms_total", (outcome, reason))] = n
+    for outcome, n in stats.get("cache_items", {}).items():
+        c[("epd_items_total", (outcome,))] = n
+    for key, name in _PLAIN_COUNTERS.items():
+        if key in stats:
+            c[(name, ())] = stats[key]
+    for key, name in _HISTOGRAMS.items():
+        if key in stats:
+            t.histograms[name] = (list(stats[key]["counts"]), stats[key]["sum"])
+    return t
+
+
+class StageTotals:
+    """Each stage's last published stats, and the totals its dead predecessors had counted.
+
+    `lock` orders a scrape against a stage's death: the supervisor retires a dead stage's
+    stats and clears its board region under it, so no scrape sees them twice or not at all.
+    """
+
+    def __init__(self, stages):
+        self.lock = threading.Lock()
+        self.last: dict[str, dict] = {s: {} for s in stages}
+        self.carried: dict[str, Totals] = {s: Totals() for s in stages}
+
+    def seen(self, stage: str, stats: dict) -> dict:
+        """Lock held: `stats` as just read ({} when unreadable: mid-write, or not yet
+        published); returns the latest readable."""
+        if stats:
+            self.last[stage] = stats
+        return self.last[stage]
+
+    def retire(self, stage: str, stats: dict) -> None:
+        """Lock held: the stage died; `stats` is what its board region holds now."""
+        self.carried[stage].add(totals_of(self.seen(stage, stats)))
+        self.last[stage] = {}
+
+    def total(self) -> Totals:
+        """Lock held: every stage's totals, dead predecessors' included."""
+        out = Totals()
+        for stage, stats in self.last.items():
+            out.add(self.carried[stage])
+            out.add(totals_of(stats))
+        return out
+
+
+@dataclass
+class Snapshot:
+    """What one scrape reports. `stages` (pipeline only): stage -> ring_depth, busy_ratio,
+    heartbeat_age_s, restarts; `arenas`: tier -> (bytes used, bytes)."""
+    totals: Totals
+    stats: dict  # stage -> its last published stats(), for the gauges
+    stages: dict = field(default_factory=dict)
+    arenas: dict = field(default_factory=dict)
+    live_rooms: int = 0
+
+
+# ------------------------------------------------------------------ the collector
+
+_COUNTERS = [
+    # name, help, label names, label values always reported (as 0 until counted)
+    ("epd_requests_total", "Encode requests taken from the intake socket, by outcome: accepted (a room "
+     "opened), rejected (the room failed at intake), dropped (no room to fail: unreadable, duplicate), "
+     "and reason class", ("outcome", "reason"), [("accepted", "none")]),
+    ("epd_rooms_total", "Rooms concluded, by outcome (success, failed) and failure reason class",
+     ("outcome", "reason"), [("success", "none")]),
+    ("epd_items_total", "Items by cache outcome: hit_arena, hit_host (promoted), miss (encoded), "
+     "inflight_duplicate (waited for an identical item being encoded)",
+     ("cache",), [("hit_arena",), ("hit_host",), ("miss",), ("inflight_duplicate",)]),
+    ("epd_tower_batches_total", "Batches the vision tower ran", (), [()]),
+    ("epd_tower_items_total", "Items the vision tower encoded", (), [()]),
+    ("epd_tower_rows_total", "Embedding rows (merged tokens) the vision tower produced", (), [()]),
+    ("epd_transfer_bytes_total", "Embedding bytes submitted to Mooncake writes", (), [()]),
+    ("epd_transfer_failures_total", "Mooncake writes that failed or could not start", (), [()]),
+]
+_HISTOGRAM_HELP = {
+    "epd_tower_batch_seconds": "Tower batch time, from its start to its result being collected",
+    "epd_transfer_seconds": "Mooncake write time per receiver shard, from submit to completion",
+    "epd_room_latency_seconds": "Room latency from intake to its conclusion (success or failed)",
+}
+
+
+def _bucket_bounds() -> list[str]:
+    from prometheus_client.utils import floatToGoString
+
+    return [floatToGoString(b) for b in SECONDS_BUCKETS] + ["+Inf"]
+
+
+class Collector:
+    """A prometheus_client collector: `snapshot()` is called at every scrape."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot]):
+        self.snapshot = snapshot
+        self.bounds = _bucket_bounds()
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        s = self.snapshot()
+        counters = s.totals.counters
+        for name, text, labels, always in _COUNTERS:
+            fam = CounterMetricFamily(name, text, labels=labels)
+            values = dict.fromkeys(always, 0)
+            values.update({lv: v for (n, lv), v in counters.items() if n == name})
+            for lv, v in sorted(values.items()):
+                fam.add_metric(list(lv), v)
+            yield fam
+        for name, text in _HISTOGRAM_HELP.items():
+            counts, total = s.totals.histograms.get(name, ([0] * len(self.bounds), 0.0))
+            cumulative, run = [], 0
+            for bound, n in zip(self.bounds, counts):
+                run += n
+                cumulative.append((bound, run))
+            yield HistogramMetricFamily(name, text, buckets=cumulative, sum_value=total)
+
+        if s.stages:
+            per_stage = [
+                ("epd_ring_depth_records", "Records waiting in a stage's input rings", "ring_depth"),
+                ("epd_stage_busy_ratio", "Fraction of the last second a stage's loop spent working "
+                 "rather than waiting for records", "busy_ratio"),
+                ("epd_stage_heartbeat_age_seconds", "Seconds since a stage's last heartbeat", "heartbeat_age_s"),
+            ]
+            for name, text, key in per_stage:
+                fam = GaugeMetricFamily(name, text, labels=["stage"])
+                for stage, row in s.stages.items():
+                    fam.add_metric([stage], row[key])
+                yield fam
+            fam = CounterMetricFamily("epd_stage_restarts_total", "Times the supervisor restarted a stage",
+                                      labels=["stage"])
+            for stage, row in s.stages.items():
+                fam.add_metric([stage], row["restarts"])
+            yield fam
+
+        used = GaugeMetricFamily("epd_arena_bytes_used", "Bytes leased in a shared-memory arena "
+                                 "(pixels: requests' pixels; embeddings: rows in flight and the cache's arena tier)",
+                                 labels=["tier"])
+        size = GaugeMetricFamily("epd_arena_bytes", "Size of a shared-memory arena", labels=["tier"])
+        for tier, (n_used, n_size) in s.arenas.items():
+            used.add_metric([tier], n_used)
+            size.add_metric([tier], n_size)
+        yield used
+        yield size
+
+        cache = s.stats.get("cache", {}).get("cache")
+        if cache:
+            occupancy = GaugeMetricFamily("epd_cache_bytes", "Bytes the embedding cache holds, by tier",
+                                          labels=["tier"])
+            budget = GaugeMetricFamily("epd_cache_budget_bytes", "The embedding cache's budget, by tier",
+                                       labels=["tier"])
+            entries = GaugeMetricFamily("epd_cache_entries", "Entries in the embedding cache, by tier",
+                                        labels=["tier"])
+            for tier in ("arena", "host"):
+                occupancy.add_metric([tier], cache[f"{tier}_bytes"])
+                budget.add_metric([tier], cache[f"{tier}_budget"])
+                entries.add_metric([tier], cache[f"{tier}_entries"])
+            yield occupancy
+            yield budget
+            yield entries
+        yield GaugeMetricFamily("epd_rooms_live", "Rooms not yet concluded", value=s.live_rooms)
+
+
+# ------------------------------------------------------------------ the endpoint
+
+class MetricsError(RuntimeError):
+    """The metrics endpoint could not be served."""
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """"host:port" (port 0: any free port; "[::1]:9100" for IPv6) -> (host, port)."""
+    host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise MetricsError(f"metrics_endpoint must be host:port (a port 0-65535), got {endpoint!r}")
+    return host, int(port)
+
+
+class MetricsServer:
+    """The Prometheus endpoint (any path, /metrics by convention) on a thread of its own,
+    with a registry of its own: nothing registers in prometheus_client's global one."""
+
+    def __init__(self, endpoint: str, snapshot: Callable[[], Snapshot]):
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        host, port = parse_endpoint(endpoint)
+        registry = CollectorRegistry()
+        registry.register(Collector(snapshot))
+        try:
+            self._httpd, self._thread = start_http_server(port, host, registry)
+        except OSError as e:
+            raise MetricsError(f"cannot serve metrics on {endpoint} (metrics_endpoint): "
+                               f"{e.strerror or e}; choose a free port, or 0 for any") from None
+        self.host = host
+        self.port = self._httpd.server_address[1]
+        log.info("metrics on http://%s:%d/metrics", host, self.port)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(5)
