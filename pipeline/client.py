@@ -10,6 +10,8 @@ import zmq
 
 from ipc import shm
 from pipeline import protocol
+from pipeline.routing import HashRing
+from stages.hash_cache import content_hash
 
 _NP_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
 
@@ -37,11 +39,12 @@ class Client:
     """Sends encode requests to one worker.
 
     Pixels travel in a POSIX shared-memory segment under the worker's prefix (the
-    worker reads it and unlinks it), or inline in the message with ``inline=True``.
+    worker reads it and unlinks it), or inline in the message with ``inline=True``
+    (always, when ``shm_prefix`` is None: a worker on another host).
     """
 
-    def __init__(self, intake: str, shm_prefix: str, ctx: zmq.Context | None = None):
-        self.shm_prefix = shm.check_prefix(shm_prefix)
+    def __init__(self, intake: str, shm_prefix: str | None, ctx: zmq.Context | None = None):
+        self.shm_prefix = shm.check_prefix(shm_prefix) if shm_prefix is not None else None
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 5000)
@@ -50,6 +53,8 @@ class Client:
 
     def publish(self, pixels: np.ndarray) -> str:
         """Write pixels into a new segment named for this worker; returns its name."""
+        if self.shm_prefix is None:
+            raise ValueError("this client has no shm prefix (its worker is on another host): send pixels inline")
         name = f"/{self.shm_prefix}.px.{os.getpid()}.{next(self._names)}"
         data = np.ascontiguousarray(pixels)
         fd = os.open(os.path.join(shm.SHM_DIR, name[1:]), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -67,6 +72,7 @@ class Client:
 
     def message(self, room: int, request_id: str, items: list[Item], *, deadline_ms: int | None = None,
                 inline: bool = False) -> dict:
+        inline = inline or self.shm_prefix is None
         msg_items = []
         published = []
         try:
@@ -103,6 +109,75 @@ class Client:
 
     def close(self) -> None:
         self.sock.close()
+
+
+@dataclass(frozen=True)
+class WorkerAddress:
+    """One worker as a gateway sees it. `bootstrap` names it: on the ring, and to
+    the receivers that send it allocs."""
+    intake: str
+    bootstrap: str
+    shm_prefix: str | None = None  # when it shares this host's /dev/shm; None: pixels go inline
+
+
+def routing_key(items: list[Item]) -> int:
+    """A room's key on the ring: its first item's content hash, the same hash the
+    worker caches it under (or the item's own `hash` when the gateway gives one)."""
+    first = items[0]
+    if first.hash is not None:
+        return first.hash
+    return content_hash(first.modality, first.grid_thw, first.dtype_name(),
+                        np.ascontiguousarray(first.pixels))
+
+
+class RoutedClient:
+    """Sends each room to one of many workers by its routing key on a consistent-hash
+    ring, so a repeated image goes where it is cached, and remembers which worker
+    each room went to: the prefill side must send that room's allocs there
+    (`Receiver.alloc(..., worker=bootstrap)`). Call `forget(room)` once the room
+    has concluded."""
+
+    def __init__(self, workers: list[WorkerAddress], *, vnodes: int = 256, ctx: zmq.Context | None = None):
+        self.ctx = ctx or zmq.Context.instance()
+        self.ring = HashRing(vnodes=vnodes)
+        self.clients: dict[str, Client] = {}
+        self.rooms: dict[int, str] = {}  # room -> bootstrap of its worker
+        for w in workers:
+            self.add(w)
+
+    def add(self, worker: WorkerAddress) -> None:
+        self.ring.add(worker.bootstrap)
+        self.clients[worker.bootstrap] = Client(worker.intake, worker.shm_prefix, self.ctx)
+
+    def remove(self, bootstrap: str) -> None:
+        """Take a worker off the ring: only the keys it owned move to others."""
+        self.ring.remove(bootstrap)
+        self.clients.pop(bootstrap).close()
+
+    def route(self, items: list[Item]) -> str:
+        """The bootstrap endpoint of the worker these items go to."""
+        if not items:
+            raise ValueError("a room needs at least one item to be routed")
+        return self.ring.route(routing_key(items))
+
+    def encode(self, room: int, request_id: str, items: list[Item], *, deadline_ms: int | None = None,
+               inline: bool = False) -> str:
+        """Send the room to its worker; returns that worker's bootstrap endpoint."""
+        bootstrap = self.route(items)
+        self.clients[bootstrap].encode(room, request_id, items, deadline_ms=deadline_ms, inline=inline)
+        self.rooms[room] = bootstrap
+        return bootstrap
+
+    def worker_of(self, room: int) -> str:
+        return self.rooms[room]
+
+    def forget(self, room: int) -> None:
+        self.rooms.pop(room, None)
+
+    def close(self) -> None:
+        for c in self.clients.values():
+            c.close()
+        self.clients = {}
 
 
 def unlink_segment(name: str) -> None:

@@ -1,10 +1,13 @@
 """Prefill-side library: receive memory, `register`/`alloc`/`cancel`, status, rows.
 
-A prefill engine can embed it as it is: one Receiver per prefill rank.
+A prefill engine can embed it as it is: one Receiver per prefill rank. With many
+workers (one per GPU, rooms routed by `client.RoutedClient`), one Receiver registers
+with each and sends a room's allocs and cancel to the worker the room went to.
 """
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +34,10 @@ class Shard:
 
 
 class Receiver:
-    def __init__(self, receiver_id: str, bootstrap: str, *, buffer_bytes: int = 256 << 20,
+    """`bootstrap`: one worker's bootstrap endpoint, or a list of several; `alloc`
+    then names the room's worker (`worker=`), or `route(room, worker)` does first."""
+
+    def __init__(self, receiver_id: str, bootstrap: str | list[str], *, buffer_bytes: int = 256 << 20,
                  hostname: str = "127.0.0.1", protocol_name: str = "tcp",
                  status_endpoint: str | None = None, ctx: zmq.Context | None = None):
         self.id = receiver_id
@@ -44,11 +50,11 @@ class Receiver:
         self.engine.register(self.address, buffer_bytes)
         self._free = [(0, buffer_bytes)]  # (offset, length), sorted
         self.ctx = ctx or zmq.Context.instance()
-        self.boot = self.ctx.socket(zmq.PUSH)
-        self.boot.setsockopt(zmq.LINGER, 2000)
-        self.boot.connect(bootstrap)
+        self.workers: dict[str, zmq.Socket] = {}  # bootstrap endpoint -> socket to it
+        self.room_worker: dict[int, str] = {}     # room -> the bootstrap endpoint of its worker
         self.status_sock = self.ctx.socket(zmq.PULL)
         self.status_sock.setsockopt(zmq.LINGER, 0)
+        self.status_sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # a status is tiny; a peer sending more is cut off
         if status_endpoint is None:
             port = self.status_sock.bind_to_random_port(f"tcp://{hostname}")
             status_endpoint = f"tcp://{hostname}:{port}"
@@ -58,19 +64,62 @@ class Receiver:
         self.shards: dict[tuple[int, int], Shard] = {}
         self.success: set[tuple[int, int]] = set()
         self.failed: dict[int, str] = {}
-        self.violations: list[str] = []  # protocol breaches seen from the worker
-        self.register()
+        self.violations: list[str] = []  # protocol breaches seen on the status socket (the first 1000)
+        self.dropped = Counter()  # statuses not applied, by kind (breaches and rooms never allocated)
+        for endpoint in [bootstrap] if isinstance(bootstrap, str) else bootstrap:
+            self.add_worker(endpoint)
 
     # ------------------------------------------------------------ bootstrap
-    def _send(self, msg: dict) -> None:
-        self.boot.send(protocol.encode({"v": protocol.VERSION, "receiver": self.id, **msg}))
+    def add_worker(self, bootstrap: str) -> None:
+        """Connect to one more worker and register with it."""
+        if bootstrap in self.workers:
+            raise ValueError(f"receiver {self.id}: worker {bootstrap} is already added")
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(bootstrap)
+        self.workers[bootstrap] = sock
+        self._send(self._register_msg(), bootstrap)
+
+    def remove_worker(self, bootstrap: str) -> None:
+        """Stop talking to a worker (taken off the ring); rooms routed to it stay routed."""
+        self.workers.pop(bootstrap).close()
+
+    def _send(self, msg: dict, worker: str) -> None:
+        self.workers[worker].send(protocol.encode({"v": protocol.VERSION, "receiver": self.id, **msg}))
+
+    def _register_msg(self) -> dict:
+        return {"type": "register", "session": self.engine.session, "status": self.status_endpoint}
 
     def register(self) -> None:
-        self._send({"type": "register", "session": self.engine.session, "status": self.status_endpoint})
+        """(Re-)register with every worker."""
+        for worker in self.workers:
+            self._send(self._register_msg(), worker)
+
+    def route(self, room: int, worker: str) -> None:
+        """Send this room's allocs and cancel to `worker` (a bootstrap endpoint)."""
+        if worker not in self.workers:
+            raise ValueError(f"receiver {self.id}: room {room} routed to {worker}, which is not one of its "
+                             f"workers ({', '.join(self.workers)}); add_worker() it first")
+        self.room_worker[room] = worker
+
+    def worker_of(self, room: int) -> str:
+        """The worker a room's messages go to: its route, else the only worker."""
+        worker = self.room_worker.get(room)
+        if worker is not None:
+            if worker not in self.workers:
+                raise ValueError(f"receiver {self.id}: room {room}'s worker {worker} was removed")
+            return worker
+        if len(self.workers) == 1:
+            return next(iter(self.workers))
+        raise ValueError(f"receiver {self.id}: room {room} has no worker and there are {len(self.workers)}; "
+                         f"pass worker= to alloc (the endpoint RoutedClient.encode returned) or route() it")
 
     def alloc(self, room: int, item: int, *, span: int, hidden: int, dtype: str,
               deepstack_width: int = 0, fanout: int = 1, row_start: int = 0,
-              n_rows: int | None = None) -> Shard:
+              n_rows: int | None = None, worker: str | None = None) -> Shard:
+        if worker is not None:
+            self.route(room, worker)
+        worker = self.worker_of(room)
         n_rows = span - row_start if n_rows is None else n_rows
         isz = protocol.DTYPES[dtype]
         main_bytes = n_rows * hidden * isz
@@ -83,11 +132,11 @@ class Receiver:
                     "dst": self.address + offset if n_rows else 0,
                     "dst_deepstack": self.address + shard.ds_offset if n_rows and deepstack_width else 0,
                     "row_start": row_start, "n_rows": n_rows, "span": span, "hidden": hidden,
-                    "dtype": dtype, "deepstack_width": deepstack_width, "fanout": fanout})
+                    "dtype": dtype, "deepstack_width": deepstack_width, "fanout": fanout}, worker)
         return shard
 
     def cancel(self, room: int) -> None:
-        self._send({"type": "cancel", "room": room})
+        self._send({"type": "cancel", "room": room}, self.worker_of(room))
 
     # ------------------------------------------------------------ status
     def poll(self, timeout: float = 0.0) -> list[dict]:
@@ -104,23 +153,41 @@ class Receiver:
         return out
 
     def _on_status(self, frame: bytes) -> dict | None:
+        """Apply one status; None if it is not applied (counted in `dropped`). Anyone who
+        reaches the status socket can send one, so nothing is taken on trust."""
         try:
             st = protocol.decode(frame)
         except protocol.ProtocolError as e:
-            self.violations.append(f"unparseable status: {e}")
-            return None
-        room, item = st.get("room"), st.get("item")
-        if st.get("state") == "success":
+            return self._reject("unparseable", f"unparseable status: {e}")
+        room, item, state, reason = st.get("room"), st.get("item"), st.get("state"), st.get("reason")
+        if (st.get("type") != "status" or not protocol.is_u64(room) or state not in ("success", "failed")
+                or not isinstance(reason, str) or not (item is None or protocol.is_u64(item))):
+            return self._reject("malformed", f"malformed status for room {str(room)[:40]} "
+                                             f"(state {str(state)[:20]}, item {str(item)[:20]})")
+        if state == "success":
+            if (room, item) not in self.shards:
+                return self._reject("no shard", f"success for room {room} item {item}, which this "
+                                                f"receiver holds no shard of")
             if room in self.failed:
-                self.violations.append(f"success for room {room} item {item} after failed")
-            elif (room, item) in self.success:
-                self.violations.append(f"second success for room {room} item {item}")
+                return self._reject("after failed", f"success for room {room} item {item} after failed")
+            if (room, item) in self.success:
+                return self._reject("second success", f"second success for room {room} item {item}")
             self.success.add((room, item))
         else:
             if room in self.failed:
-                self.violations.append(f"second failed for room {room}")
-            self.failed[room] = st.get("reason", "")
+                return self._reject("second failed", f"second failed for room {room}")
+            if not any(key[0] == room for key in self.shards):
+                # Not a breach: a worker whose sender died tells every receiver.
+                self.dropped["never allocated"] += 1
+                return None
+            self.failed[room] = reason
         return st
+
+    def _reject(self, kind: str, text: str) -> None:
+        self.dropped[kind] += 1
+        if len(self.violations) < 1000:
+            self.violations.append(text)
+        return None
 
     def concluded(self, room: int, n_items: int) -> bool:
         return room in self.failed or all((room, i) in self.success for i in range(n_items))
@@ -156,6 +223,7 @@ class Receiver:
             if s.nbytes:
                 self._give(s.offset, s.nbytes)
             self.success.discard(key)
+        self.room_worker.pop(room, None)
 
     def _take(self, n: int) -> int:
         n = (n + 63) & ~63
@@ -182,6 +250,7 @@ class Receiver:
         self._free = merged
 
     def close(self) -> None:
-        self.boot.close()
+        for sock in self.workers.values():
+            sock.close()
         self.status_sock.close()
         self.engine.close()
