@@ -24,7 +24,7 @@ Records carry ``time.monotonic()`` stamps (system-wide on Linux, so comparable
 across processes). Contiguous columns hold each copy's room, state and owner,
 written with the copy before it is published, so ``find``/``owned_by``/``insert``
 scan them with numpy (both copies) and then verify the few candidates' records.
-``room`` is a signed 64-bit id; ``request_id`` (128 UTF-8 bytes)
+``room`` is an unsigned 64-bit id (the protocol's); ``request_id`` (128 UTF-8 bytes)
 and ``reason`` (256) are cut with '…' when longer.
 """
 from __future__ import annotations
@@ -84,13 +84,13 @@ REQUEST_ID_BYTES = 128
 REASON_BYTES = 256
 _MAGIC = 0x6D6F_6F72_0000_0001  # "room", layout 1
 # record: crc32 over the rest, then the body
-_BODY = struct.Struct(f"<IqBBHiIIddd{REQUEST_ID_BYTES}s{REASON_BYTES}s")
+_BODY = struct.Struct(f"<IQBBHiIIddd{REQUEST_ID_BYTES}s{REASON_BYTES}s")
 _REC = 4 + _BODY.size  # 440
 _HDR = 64
 
 
 def _layout(capacity: int) -> dict[str, int]:
-    """Segment layout: header, seq u32[cap], columns room i64 / owner i32 / state u8 [cap, 2],
+    """Segment layout: header, seq u32[cap], columns room u64 / owner i32 / state u8 [cap, 2],
     records [cap, 2] of _REC bytes."""
     off, pos = {}, _HDR
     for name, nbytes in (("seq", 4 * capacity), ("room", 16 * capacity), ("owner", 8 * capacity),
@@ -104,7 +104,7 @@ def _layout(capacity: int) -> dict[str, int]:
 
 # body field indices (after ver)
 _ROOM, _STATE, _RIDLEN, _REASONLEN, _OWNER, _TOTAL, _DONE, _DEADLINE, _CREATED, _CONCLUDED, _RID, _REASON = range(12)
-_I64 = (-(2**63), 2**63 - 1)
+_U64 = (0, 2**64 - 1)
 _I32 = (-(2**31), 2**31 - 1)
 _U32_MAX = 2**32 - 1
 _FREE_FIELDS = (0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0, b"", b"")
@@ -193,12 +193,12 @@ class RoomTable:
         mm = seg.buf.obj
         self._hdr = mv[:_HDR].cast("Q")
         self._seqv = mv[lay["seq"]:lay["seq"] + 4 * cap].cast("I")
-        self._roomv = mv[lay["room"]:lay["room"] + 16 * cap].cast("q")
+        self._roomv = mv[lay["room"]:lay["room"] + 16 * cap].cast("Q")
         self._ownerv = mv[lay["owner"]:lay["owner"] + 8 * cap].cast("i")
         self._statev = mv[lay["state"]:lay["state"] + 2 * cap]
         self._rec0 = lay["rec"]
         self._seq = np.frombuffer(mm, np.uint32, cap, lay["seq"])
-        self._rooms = np.frombuffer(mm, np.int64, 2 * cap, lay["room"]).reshape(cap, 2)
+        self._rooms = np.frombuffer(mm, np.uint64, 2 * cap, lay["room"]).reshape(cap, 2)
         self._owners = np.frombuffer(mm, np.int32, 2 * cap, lay["owner"]).reshape(cap, 2)
         self._states = np.frombuffer(mm, np.uint8, 2 * cap, lay["state"]).reshape(cap, 2)
         self._lock = SegmentLock(seg)
@@ -336,7 +336,7 @@ class RoomTable:
     def find(self, room: int) -> int | None:
         """Slot of the non-FREE entry for ``room``, or None."""
         room = _index(room)
-        if not _I64[0] <= room <= _I64[1]:
+        if not _U64[0] <= room <= _U64[1]:
             return None
         for slot in self._room_candidates(room):
             e = self.get(slot)
@@ -385,7 +385,7 @@ class RoomTable:
 
         ValueError if a non-FREE entry (live or tombstone) already has this room id.
         """
-        room = _check_range("room", room, *_I64)
+        room = _check_range("room", room, *_U64)
         items_total = _check_range("items_total", items_total, 0, _U32_MAX)
         owner = _check_range("owner", owner, *_I32)
         state = RoomState(state)

@@ -5,6 +5,8 @@ patch_dim, the item's span, remembered rooms) are checked by the stages.
 """
 from __future__ import annotations
 
+import re
+from collections import Counter
 from dataclasses import dataclass
 
 import msgpack
@@ -15,6 +17,10 @@ DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 MODALITIES = ("image", "video")
 MAX_REQUEST_ID = 128
 MAX_ID_CHARS = 256  # receiver ids, sessions, endpoints
+MAX_REASON_KEYS = 64
+# What ZeroMQ can connect to: a host (name, IPv4 or [IPv6]) and a port, or an ipc path
+# that fits a socket address. Anything else makes connect() raise in the reaper.
+_STATUS_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})|ipc://[^\0]{1,100}")
 
 
 class ProtocolError(ValueError):
@@ -37,7 +43,7 @@ def decode(frame: bytes) -> dict:
         raise ProtocolError(f"not a msgpack message ({type(e).__name__})") from None
     if not isinstance(msg, dict):
         raise ProtocolError("message is not a map")
-    if msg.get("v") != VERSION:
+    if type(msg.get("v")) is not int or msg["v"] != VERSION:  # True and 1.0 equal 1 in Python
         raise ProtocolError(f"unsupported protocol version {msg.get('v')!r} (this worker speaks {VERSION})")
     if not isinstance(msg.get("type"), str):
         raise ProtocolError("missing message type")
@@ -46,6 +52,17 @@ def decode(frame: bytes) -> dict:
 
 def encode(msg: dict) -> bytes:
     return msgpack.packb(msg, use_bin_type=True)
+
+
+def count_reason(counter: Counter, key: str) -> None:
+    """Count one message under `key` (cut to 80 characters), or under "other" once the
+    counter has MAX_REASON_KEYS keys: reasons quote what clients sent, and no client may
+    grow the worker's counters."""
+    key = key[:80]
+    if key in counter or len(counter) < MAX_REASON_KEYS:
+        counter[key] += 1
+    else:
+        counter["other"] += 1
 
 
 def room_of(msg) -> int | None:
@@ -113,7 +130,7 @@ def parse_encode(msg: dict, max_items: int) -> EncodeRequest:
         raise ProtocolError("deadline_ms must be an integer in 1..1e9")
     items = msg.get("items")
     if not isinstance(items, list) or not 1 <= len(items) <= max_items:
-        raise ProtocolError(f"items must be a list of 1..{max_items} items")
+        raise ProtocolError(f"items must be a list of 1..{max_items} items (max_items_per_request)")
     parsed = [_parse_item(i, it) for i, it in enumerate(items)]
     return EncodeRequest(rid, room, parsed, deadline)
 
@@ -142,7 +159,7 @@ def _parse_item(i: int, it) -> EncodeItem:
     if not (isinstance(shape, list) and len(shape) == 2 and all(is_int(x) and 1 <= x <= 1 << 40 for x in shape)):
         raise ProtocolError(f"item {i}: pixels.shape must be [n_patches, patch_dim] of positive integers")
     dtype = px.get("dtype")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:  # a list would raise: not hashable
         raise ProtocolError(f"item {i}: pixels.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     ref = PixelsRef(shape=(shape[0], shape[1]), dtype=dtype)
     if has_shm:
@@ -222,8 +239,10 @@ def parse_bootstrap(msg: dict) -> Register | Alloc | Cancel:
     kind = msg.get("type")
     if kind == "register":
         status = _short_str(msg, "status")
-        if not status.startswith(("tcp://", "ipc://")):
-            raise ProtocolError("status must be a tcp:// or ipc:// endpoint")
+        m = _STATUS_ENDPOINT.fullmatch(status)
+        if m is None or (m.group(2) is not None and not 1 <= int(m.group(2)) <= 65535):
+            raise ProtocolError("status must be an endpoint tcp://host:port (port 1..65535) "
+                                "or ipc://path (up to 100 characters)")
         return Register(_short_str(msg, "receiver"), _short_str(msg, "session"), status)
     if kind == "cancel":
         room = room_of(msg)
@@ -243,7 +262,7 @@ def parse_bootstrap(msg: dict) -> Register | Alloc | Cancel:
     fanout = msg.get("fanout")
     if not is_int(fanout) or not 1 <= fanout <= 1024:
         raise ProtocolError("fanout must be an integer in 1..1024")
-    if msg.get("dtype") not in DTYPES:
+    if not isinstance(msg.get("dtype"), str) or msg["dtype"] not in DTYPES:
         raise ProtocolError(f"dtype must be one of {', '.join(DTYPES)}")
     return Alloc(receiver, msg["room"], msg["item"], msg["dst"], msg["dst_deepstack"],
                  msg["row_start"], msg["n_rows"], msg["span"], msg["hidden"], msg["dtype"],

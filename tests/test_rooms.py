@@ -76,20 +76,21 @@ def test_lifecycle_and_attach(make_table, shm_prefix):
 
 def test_full_table_and_argument_errors(make_table):
     t = make_table(3)
-    slots = [t.insert(r, f"q{r}", 1, 0) for r in (-5, 0, 7)]
+    slots = [t.insert(r, f"q{r}", 1, 0) for r in (2**64 - 5, 0, 7)]
     assert sorted(slots) == [0, 1, 2]
     with pytest.raises(TableFull, match=r"all 3 slots .*room 9.*'q9'"):
         t.insert(9, "q9", 1, 0)
     with pytest.raises(ValueError, match="already"):
         t.insert(0, "again", 1, 0)
     assert t.find(0) == slots[1] and t.find(1) is None and t.find(2**70) is None
-    for bad in (lambda: t.insert(2**63, "x", 1, 0), lambda: t.insert(1, "x", -1, 0),
+    for bad in (lambda: t.insert(2**64, "x", 1, 0), lambda: t.insert(-1, "x", 1, 0),
+                lambda: t.insert(1, "x", -1, 0),
                 lambda: t.insert(1, "x", 1, 0, state=S.FREE), lambda: t.insert(1, "x", 1, 2**31)):
         with pytest.raises(ValueError):
             bad()
     with pytest.raises(IndexError):
         t.get(3)
-    assert t.succeed(slots[0], -5) and t.free(slots[0], -5)
+    assert t.succeed(slots[0], 2**64 - 5) and t.free(slots[0], 2**64 - 5)
     assert t.insert(9, "q9", 1, 0, state=S.QUEUED) == slots[0]
 
 
@@ -133,7 +134,7 @@ def test_damaged_entries_are_repaired_never_read(make_table):
 # -- model-based --------------------------------------------------------------------------
 
 CAP = 4
-ROOMS = st.sampled_from([0, 1, 2, 3, 4, 5, -(2**63), 2**63 - 1])
+ROOMS = st.sampled_from([0, 1, 2, 3, 4, 5, 2**63, 2**64 - 1])
 OWNERS = st.integers(0, 3)
 TEXT = st.text(max_size=150)
 
@@ -244,7 +245,7 @@ class RoomMachine(RuleBasedStateMachine):
             assert e.created > 0 and (e.concluded >= e.created) == (e.state in FINAL)
             assert (e.concluded == 0.0) == (e.state not in FINAL)
             assert t.find(m["room"]) == slot
-        for room in (0, 1, 2, 3, 4, 5, -(2**63), 2**63 - 1, 99):
+        for room in (0, 1, 2, 3, 4, 5, 2**63, 2**64 - 1, 99):
             if not any(m["room"] == room for m in self.model.values()):
                 assert t.find(room) is None
         assert [e.slot for e in t.entries()] == sorted(self.model)

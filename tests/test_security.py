@@ -1,0 +1,447 @@
+"""Security: which segments the worker opens and unlinks, cache poisoning, and resource bounds.
+
+The segment rules (PROTOCOL.md section 1): a name is taken only if it is `/<prefix>...`
+without another `/`, not one of the worker's own objects, a regular file (never through a
+symlink) owned by the worker's user, and of exactly the size the request says. Anything
+else fails its room, and is left where it was.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+import numpy as np
+import pytest
+
+from ipc import shm
+from ipc.arena import Arena
+from ipc.rooms import RoomTable
+from pipeline import protocol
+from pipeline.client import Client, Item
+from pipeline.receiver import Receiver
+from stages.intake import Intake
+from tests.helpers import PATCH_DIM, expected_sim_rows, image, sim_config, start_worker
+
+pytestmark = pytest.mark.timeout(300)
+_rooms = itertools.count(90_000)
+SPAN4 = dict(span=4, hidden=64, dtype="bfloat16", deepstack_width=32)  # a (1, 4, 4) image
+IMAGE_BYTES = 16 * PATCH_DIM * 4
+
+
+@pytest.fixture
+def env(shm_prefix, tmp_path):
+    made = []
+
+    def start(mode="inprocess", **over):
+        w = start_worker(mode, sim_config(shm_prefix, tmp_path, **over))
+        made.append(w)
+        client = Client(w.cfg.intake, shm_prefix)
+        made.append(client)
+        rx = Receiver("rx", w.cfg.bootstrap, buffer_bytes=16 << 20)
+        made.append(rx)
+        return w, client, rx
+
+    yield start
+    for obj in reversed(made):
+        obj.close()
+
+
+def alloc_all(rx, room, items):
+    for i, it in enumerate(items):
+        span = sum(t * h * w for t, h, w in it.grid_thw) // 4
+        rx.alloc(room, i, span=span, hidden=64, dtype="bfloat16", deepstack_width=32)
+
+
+def serve(client, rx, items, room=None, **kw) -> int:
+    room = next(_rooms) if room is None else room
+    client.encode(room, f"req-{room}", items, **kw)
+    alloc_all(rx, room, items)
+    return room
+
+
+def assert_rows(rx, room, it, i=0):
+    span = sum(t * h * w for t, h, w in it.grid_thw) // 4
+    main, deep = expected_sim_rows(it.pixels, it.modality, span, 64, 32, "bfloat16")
+    got_main, got_deep = rx.rows(room, i)
+    assert np.array_equal(got_main, main) and np.array_equal(got_deep, deep), f"room {room} item {i}"
+
+
+def segment_msg(room, name) -> dict:
+    return {"v": 1, "type": "encode", "request_id": "seg", "room": room,
+            "items": [{"modality": "image", "grid_thw": [[1, 4, 4]],
+                       "pixels": {"shm": name, "shape": [16, PATCH_DIM], "dtype": "float32"}}]}
+
+
+def write_file(path, data: bytes, mode=0o600) -> bytes:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    return data
+
+
+# ---------------------------------------------------------------- segments
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+
+
+@needs_root
+def test_worker_never_unlinks_or_follows_what_is_not_its_own(env, shm_prefix, tmp_path):
+    """Decoys outside the prefix, a segment of another user, a symlink under the prefix,
+    the worker's own arenas: named in requests (valid, duplicate and roomless), none is
+    removed or changed, each named room fails with a reason, and the worker serves on."""
+    w, client, rx = env()
+    pixels = Item("image", *image(1)).pixels.tobytes()
+    decoy = f"decoy_{shm_prefix}"                           # in /dev/shm, outside the prefix
+    tmp_decoy = tmp_path / "decoy"                          # outside /dev/shm altogether
+    foreign = f"{shm_prefix}.foreign"                       # under the prefix, another user's
+    link = f"{shm_prefix}.link"                             # under the prefix, a symlink to the decoy
+    own = [n for n in shm.list_objects(shm_prefix) if not n.startswith("sem.")]
+    made = [shm.SHM_DIR + "/" + n for n in (decoy, foreign, link)]
+    try:
+        contents = {shm.SHM_DIR + "/" + decoy: write_file(shm.SHM_DIR + "/" + decoy, pixels),
+                    str(tmp_decoy): write_file(tmp_decoy, pixels)}
+        contents[shm.SHM_DIR + "/" + foreign] = write_file(shm.SHM_DIR + "/" + foreign, pixels)
+        os.chown(shm.SHM_DIR + "/" + foreign, 4242, 4242)
+        os.symlink(shm.SHM_DIR + "/" + decoy, shm.SHM_DIR + "/" + link)
+        names = {"/" + decoy: "outside the worker's shm prefix",
+                 f"/../..{tmp_decoy}": "outside the worker's shm prefix",
+                 f"/{shm_prefix}/../{decoy}": "may not contain '/'",
+                 "/" + foreign: "not a regular segment of the worker's user",
+                 "/" + link: "cannot be opened",
+                 **{"/" + n: "one of the worker's own objects" for n in own}}
+        failing = {}
+        for name, why in names.items():
+            room = next(_rooms)
+            client.send(segment_msg(room, name))
+            rx.alloc(room, 0, **SPAN4)
+            failing[room] = why
+            client.send(segment_msg(None, name))                 # roomless: dropped
+        healthy = Item("image", *image(2))
+        good = serve(client, rx, [healthy])
+        client.send(segment_msg(good, "/" + foreign))            # duplicate room: dropped
+        for name in names:
+            client.send(segment_msg(good, name))
+        assert rx.wait({**{room: 1 for room in failing}, good: 1}, 60)
+        for room, why in failing.items():
+            assert why in rx.failed[room], rx.failed[room]
+        assert good not in rx.failed
+        assert_rows(rx, good, healthy)
+        for path, data in contents.items():
+            with open(path, "rb") as f:
+                assert f.read() == data, f"{path} was changed"
+        assert os.path.islink(shm.SHM_DIR + "/" + link)
+        assert set(own) <= set(shm.list_objects(shm_prefix)), "the worker lost one of its own objects"
+        later = Item("image", *image(3))
+        room = serve(client, rx, [later])
+        assert rx.wait({room: 1}, 60) and room not in rx.failed
+        assert_rows(rx, room, later)
+        assert w.stats()["intake_dropped"] == {"room cannot be read": len(names), "duplicate room": 1 + len(names)}
+    finally:
+        for path in made:
+            if os.path.lexists(path):
+                os.unlink(path)
+
+
+def test_unreadable_mode_and_ownership(env, shm_prefix):
+    """Mode 000 does not stop root, so the worker relies on ownership: a mode-000 segment
+    of the worker's own user is taken (and unlinked); as another user it could not be read
+    and fails its room, and stays."""
+    w, client, rx = env()
+    it = Item("image", *image(4))
+    name = f"/{shm_prefix}.mode000"
+    write_file(shm.SHM_DIR + name, it.pixels.tobytes(), mode=0o000)
+    try:
+        room = next(_rooms)
+        client.send(segment_msg(room, name))
+        rx.alloc(room, 0, **SPAN4)
+        assert rx.wait({room: 1}, 60)
+        if os.geteuid() == 0:
+            assert room not in rx.failed, rx.failed[room]
+            assert_rows(rx, room, it)
+            assert not os.path.exists(shm.SHM_DIR + name)
+        else:
+            assert "cannot be opened: Permission denied" in rx.failed[room]
+            assert os.path.exists(shm.SHM_DIR + name)
+    finally:
+        if os.path.exists(shm.SHM_DIR + name):
+            os.unlink(shm.SHM_DIR + name)
+
+
+@pytest.fixture
+def intake(shm_prefix):
+    """An Intake over real shared memory, without sockets: frames go straight to handle()."""
+    run_id = shm.new_run_id()
+    arena = Arena.create(shm_prefix, run_id, "pixels", 4 << 20)
+    rooms = RoomTable.create(shm_prefix, run_id, "rooms", 64)
+    yield Intake(prefix=shm_prefix, run_id=run_id, pixel_arena=arena, rooms=rooms, patch_dim=PATCH_DIM,
+                 merge=2, max_items_per_request=8, max_pixel_bytes_per_request=1 << 20, max_live_rooms=32)
+    for obj in (arena, rooms):
+        obj.close()
+        obj.unlink()
+
+
+@pytest.mark.parametrize("change", ["truncated", "grown", "truncated mid-read"])
+def test_segment_changed_after_the_worker_took_it(intake, shm_prefix, monkeypatch, change):
+    """The client keeps a descriptor and truncates or grows the segment after the worker
+    has opened and unlinked it. The worker reads with pread, not mmap: no SIGBUS, the room
+    fails with the reason, and the arena space goes back."""
+    name = f"/{shm_prefix}.px.changing"
+    fd = os.open(shm.SHM_DIR + name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, Item("image", *image(5)).pixels.tobytes())
+        new_size = {"truncated": 100, "grown": IMAGE_BYTES + 4096, "truncated mid-read": 100}[change]
+        real_take, real_fstat = intake._take_segments, os.fstat
+
+        def take_then_change(msg):
+            taken = real_take(msg)
+            assert isinstance(taken[name], int), taken[name]
+            if change == "truncated mid-read":
+                # the size check sees the old size; the file shrinks before pread runs
+                def fstat_then_truncate(f):
+                    st = real_fstat(f)
+                    os.ftruncate(fd, new_size)
+                    return st
+                monkeypatch.setattr(os, "fstat", fstat_then_truncate)
+            else:
+                os.ftruncate(fd, new_size)
+            return taken
+
+        monkeypatch.setattr(intake, "_take_segments", take_then_change)
+        res = intake.handle(protocol.encode(segment_msg(7, name)))
+        monkeypatch.undo()
+        assert res.failure is not None and res.items is None
+        want = {"truncated": "holds 100 bytes", "grown": f"holds {IMAGE_BYTES + 4096} bytes",
+                "truncated mid-read": "shrank while it was read"}[change]
+        assert want in res.failure.reason, res.failure.reason
+        assert not os.path.exists(shm.SHM_DIR + name)  # taken: the worker's to unlink
+        assert intake.pixel_arena.used_bytes() == 0 and not intake.pixel_arena.live_leases()
+    finally:
+        os.close(fd)
+        if os.path.exists(shm.SHM_DIR + name):
+            os.unlink(shm.SHM_DIR + name)
+
+
+def test_segment_name_rules(intake, shm_prefix):
+    p = shm_prefix
+    ok = [f"/{p}.px.1", f"/{p}", f"/{p}x y", f"/{p}..", f"/{p}-notours"]
+    bad = {"/other.px": "outside", f"{p}.px": "outside", f"/{p}/x": "may not contain",
+           f"/{p}/../x": "may not contain", f"/{p}\0": "may not contain", "/../" + p: "outside",
+           f"/{p}-0123abcd-ring.a.b": "own objects", f"/{p}-0123abcd-lock": "own objects",
+           f"/sem.{p}-0123abcd-x": "outside", f"/{p}" + "x" * 300: "longer than 255",
+           f"/{p}-0123abcd-pixels": "own objects"}
+    for name in ok:
+        assert intake.segment_name_problem(name) is None, name
+    for name, why in bad.items():
+        problem = intake.segment_name_problem(name)
+        assert problem and why in problem, (name, problem)
+
+
+# ---------------------------------------------------------------- cache poisoning
+
+
+def test_client_hash_is_ignored_unless_trusted(env):
+    """Client B sends other pixels under the hash of A's image. With trust_client_hash off
+    (the default) B gets its own rows and A, served again from the cache, still its own."""
+    w, client, rx = env()
+    a_item = Item("image", *image(10), hash=0xA11CE)
+    b_item = Item("image", *image(11), hash=0xA11CE)     # other pixels, A's hash
+    a1 = serve(client, rx, [a_item])
+    assert rx.wait({a1: 1}, 60)
+    b = serve(client, rx, [b_item])
+    assert rx.wait({b: 1}, 60)
+    encoded = w.stats()["tower_items"]
+    a2 = serve(client, rx, [Item("image", *image(10), hash=0xA11CE)])
+    assert rx.wait({a2: 1}, 60)
+    assert not rx.failed, rx.failed
+    assert_rows(rx, a1, a_item)
+    assert_rows(rx, b, b_item)                          # B's own embedding, not A's
+    assert_rows(rx, a2, a_item)                         # A's entry was not overwritten
+    assert encoded == 2 and w.stats()["tower_items"] == 2  # and A came from the cache
+
+
+def test_trusted_client_hash_lets_a_client_poison_the_cache(env):
+    """With trust_client_hash on (the operator's choice: it saves hashing, and trusts every
+    client that can reach the intake) the same attack works: B gets A's rows, and had B
+    come first, A would get B's. Documented, not prevented."""
+    w, client, rx = env(trust_client_hash=True)
+    a_item = Item("image", *image(10), hash=0xA11CE)
+    b_item = Item("image", *image(11), hash=0xA11CE)
+    b = serve(client, rx, [b_item])                    # B first: its rows go in under A's hash
+    assert rx.wait({b: 1}, 60)
+    a = serve(client, rx, [a_item])
+    assert rx.wait({a: 1}, 60)
+    assert not rx.failed, rx.failed
+    assert_rows(rx, a, b_item)                          # A was served B's embedding
+    assert w.stats()["tower_items"] == 1
+
+
+# ---------------------------------------------------------------- resource bounds
+
+
+def test_pixel_bytes_per_request_bound(env):
+    w, client, rx = env(max_pixel_bytes_per_request=IMAGE_BYTES)
+    one = [Item("image", *image(20))]
+    two = [Item("image", *image(21)), Item("image", *image(22))]
+    big = serve(client, rx, two, inline=True)
+    ok = serve(client, rx, one)
+    assert rx.wait({big: 2, ok: 1}, 60)
+    assert f"at most {IMAGE_BYTES} per request (max_pixel_bytes_per_request)" in rx.failed[big]
+    assert ok not in rx.failed
+    assert_rows(rx, ok, one[0])
+
+
+def test_items_per_request_bound(env):
+    w, client, rx = env(max_items_per_request=2)
+    three = [Item("image", *image(30 + k)) for k in range(3)]
+    room = serve(client, rx, three)
+    ok = serve(client, rx, three[:2])
+    assert rx.wait({room: 3, ok: 2}, 60)
+    assert "items must be a list of 1..2 items (max_items_per_request)" in rx.failed[room]
+    assert ok not in rx.failed
+    # the refused request's segments were still removed
+    assert not [n for n in os.listdir(shm.SHM_DIR) if n.startswith(w.cfg.shm_prefix + ".px.")]
+
+
+def test_live_rooms_bound(env):
+    """Rooms wait for their allocs (live) until the bound is reached; the next one fails
+    with a reason; once the first conclude, new rooms are taken again."""
+    w, client, rx = env(max_live_rooms=2)
+    waiting = [next(_rooms), next(_rooms)]
+    items = {room: [Item("image", *image(room % 50))] for room in waiting}
+    for room in waiting:
+        client.encode(room, "waits", items[room])           # no alloc yet: stays live
+    over = serve(client, rx, [Item("image", *image(40))])
+    assert rx.wait({over: 1}, 60)
+    assert "limit of 2 live rooms (max_live_rooms)" in rx.failed[over]
+    for room in waiting:
+        alloc_all(rx, room, items[room])
+    assert rx.wait({room: 1 for room in waiting}, 60) and not set(waiting) & set(rx.failed)
+    later = serve(client, rx, [Item("image", *image(41))])
+    assert rx.wait({later: 1}, 60) and later not in rx.failed
+
+
+def test_held_allocs_bound(env):
+    """Allocs for rooms the worker has not seen are held up to max_held_allocs; past it the
+    receiver is told at once why; the held ones are answered when bootstrap_timeout_s ends."""
+    w, client, rx = env(max_held_allocs=3, bootstrap_timeout_s=1.5)
+    held = [next(_rooms) for _ in range(3)]
+    for room in held:
+        rx.alloc(room, 0, **SPAN4)
+    extra = next(_rooms)
+    rx.alloc(extra, 0, **SPAN4)
+    assert rx.wait({extra: 1}, 30)
+    assert "already holds 3 such allocs (max_held_allocs)" in rx.failed[extra]
+    assert not set(held) & set(rx.failed)                 # those are still held
+    assert w.stats()["sender_held_allocs"] == 3
+    assert rx.wait({room: 1 for room in held}, 30)
+    assert all(rx.failed[room] == "unknown room" for room in held)
+    assert w.stats()["sender_held_allocs"] == 0
+    ok = serve(client, rx, [Item("image", *image(50))])   # held space is free again
+    assert rx.wait({ok: 1}, 60) and ok not in rx.failed
+    rx.poll(0.3)
+    assert not rx.violations, rx.violations
+
+
+def test_tombstones_bound(env):
+    """Concluded rooms are remembered up to max_tombstones; past it the oldest is forgotten
+    (its id may be used again) and the reaper's and the room table's memory stay bounded,
+    also for rooms it only ever heard about from allocs."""
+    w, client, rx = env(max_tombstones=5, bootstrap_timeout_s=0.5)
+    reaper, rooms = w.worker.reaper, w.worker.rooms
+    unknown = [next(_rooms) for _ in range(8)]
+    for room in unknown:                                  # allocs for rooms never seen
+        rx.alloc(room, 0, **SPAN4)
+    assert rx.wait({room: 1 for room in unknown}, 30)
+    assert all(rx.failed[room] == "unknown room" for room in unknown)
+    sent = {}
+    for k in range(12):
+        it = Item("image", *image(60 + k))
+        sent[serve(client, rx, [it])] = it
+        assert rx.wait({room: 1 for room in sent}, 60)
+    time.sleep(0.3)                                       # the reaper's next tick
+    assert len(reaper.tombstones) <= 5
+    assert len(reaper.told) <= 5
+    assert len(rooms.entries()) <= 5
+    first, last = list(sent)[0], list(sent)[-1]
+    assert rooms.find(first) is None                      # forgotten: its id may be used again
+    again = Item("image", *image(99))
+    rx.release(first)
+    rx.failed.pop(first, None)
+    serve(client, rx, [again], room=first)
+    assert rx.wait({first: 1}, 60) and first not in rx.failed
+    assert_rows(rx, first, again)
+    assert rooms.find(last) is not None
+    client.encode(last, "reuse", [Item("image", *image(98))])  # remembered: a duplicate
+    end = time.monotonic() + 30
+    while not w.stats()["intake_dropped"].get("duplicate room") and time.monotonic() < end:
+        time.sleep(0.05)
+    assert w.stats()["intake_dropped"] == {"duplicate room": 1}
+    rx.poll(0.3)
+    assert not rx.violations, rx.violations
+
+
+@pytest.mark.parametrize("socket_name", ["intake", "bootstrap"])
+def test_an_oversized_frame_is_cut_off_before_it_is_buffered(env, socket_name):
+    """No request can be larger than its bounds allow, so ZeroMQ refuses a frame past
+    them (and drops the peer) before queueing it: a flood of huge frames cannot grow
+    the worker. Peers that keep to the bounds are served as before."""
+    import zmq
+
+    w, client, rx = env("inprocess", max_pixel_bytes_per_request=1 << 20)
+    before = w.stats()
+    ctx = zmq.Context()
+    try:
+        peer = ctx.socket(zmq.PUSH)
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.connect(getattr(w.cfg, socket_name))
+        # A msgpack map whose one string is larger than any request may be: were it
+        # received, it would be counted as dropped (bootstrap) or fail at intake.
+        peer.send(protocol.encode({"v": 1, "type": "junk", "pad": "x" * (8 << 20)}))
+        time.sleep(0.5)
+        it = Item("image", *image(7))
+        room = serve(client, rx, [it])
+        assert rx.wait({room: 1}, 30) and room not in rx.failed
+        assert_rows(rx, room, it)
+        after = w.stats()
+        for key in ("intake_dropped", "sender_dropped"):
+            assert sum(after.get(key, {}).values()) == sum(before.get(key, {}).values()), key
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_registered_receivers_are_bounded(env, monkeypatch):
+    """Each receiver costs a status socket: past the bound a new id is dropped and
+    counted, while ids already registered may still register again (a restart)."""
+    import zmq
+
+    import stages.sender
+
+    monkeypatch.setattr(stages.sender, "MAX_RECEIVERS", 3)
+    w, client, rx = env("inprocess")
+    first = serve(client, rx, [Item("image", *image(59))])  # rx is registered before the others
+    assert rx.wait({first: 1}, 60) and first not in rx.failed
+    ctx = zmq.Context()
+    try:
+        peer = ctx.socket(zmq.PUSH)
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.connect(w.cfg.bootstrap)
+        for rid in ("r2", "r3", "r4", "r5", "r2"):
+            peer.send(protocol.encode({"v": 1, "type": "register", "receiver": rid,
+                                       "session": "127.0.0.1:1", "status": "tcp://127.0.0.1:1"}))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            dropped = w.stats().get("sender_dropped", {})
+            if sum(dropped.values()) >= 2:
+                break
+            time.sleep(0.1)
+        assert sum(dropped.values()) == 2, dropped  # r4 and r5; the second r2 is taken
+        assert any("3 receivers are registered already" in reason for reason in dropped), dropped
+        rx.register()  # an id already known registers again
+        room = serve(client, rx, [Item("image", *image(60))])
+        assert rx.wait({room: 1}, 60) and room not in rx.failed
+    finally:
+        ctx.destroy(linger=0)
