@@ -22,6 +22,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 
 import posix_ipc
 
@@ -36,11 +37,11 @@ class ShmError(RuntimeError):
 
 
 class ShmFullError(ShmError):
-    """/dev/shm has too little room for a segment."""
+    """/dev/shm has too little room for a segment, or for a run's objects."""
 
-    def __init__(self, name: str, needed: int, free: int):
+    def __init__(self, what: str, needed: int, free: int):
         super().__init__(
-            f"/dev/shm cannot hold segment {name!r}: it needs {needed} bytes "
+            f"/dev/shm cannot hold {what}: it needs {needed} bytes "
             f"({needed / 2**20:.1f} MiB) and {free} bytes ({free / 2**20:.1f} MiB) are free; "
             f"enlarge /dev/shm (e.g. docker --shm-size) or shrink the arenas"
         )
@@ -86,6 +87,46 @@ def shm_free_bytes() -> int:
     return shutil.disk_usage(SHM_DIR).free
 
 
+def require_free(parts: dict[str, int]) -> None:
+    """Fail before anything is created when /dev/shm cannot hold ``parts`` (bytes by what).
+
+    Reserving a segment that does not fit would first fill /dev/shm, briefly, for
+    every other user of it; this check asks the file system instead.
+    """
+    needed = sum(parts.values())
+    free = shm_free_bytes()
+    if needed > free:
+        what = ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in parts.items())
+        raise ShmFullError(f"this run's shared memory ({what})", needed, free)
+
+
+def private_dir(path: str) -> None:
+    """Create `path` mode 0700, or check that an existing one is ours alone.
+
+    The default run directory has a predictable name under /tmp: another local user
+    could make it first and put their own socket in it, where a gateway would send
+    pixels. So a directory owned by someone else, writable by others, or a symlink is
+    refused, not used.
+    """
+    try:
+        os.mkdir(path, 0o700)
+        return
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        os.makedirs(path, 0o700, exist_ok=True)
+        return
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise ShmError(f"run directory {path} exists and is not a directory (a symlink?): refusing it")
+    if st.st_uid != os.geteuid():
+        raise ShmError(f"run directory {path} belongs to uid {st.st_uid}, not to this user "
+                       f"({os.geteuid()}): refusing it; remove it or choose another run_dir")
+    if st.st_mode & 0o022:
+        raise ShmError(f"run directory {path} is writable by group or others "
+                       f"(mode {stat.S_IMODE(st.st_mode):o}): refusing it; chmod 700 it or choose another run_dir")
+
+
 class Segment:
     """A mapped POSIX shared-memory segment. ``buf`` is a writable memoryview."""
 
@@ -112,7 +153,7 @@ class Segment:
                     os.posix_fallocate(fd, 0, size)
                 except OSError as e:
                     if e.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
-                        raise ShmFullError(name, size, shm_free_bytes()) from None
+                        raise ShmFullError(f"segment {name!r}", size, shm_free_bytes()) from None
                     raise
             return cls(name, fd, size, owner=True)
         except BaseException:
