@@ -22,8 +22,8 @@ import time
 
 from ipc import shm
 from ipc.ring import RECORD_HEADER, Ring, wait_any
-from pipeline import wiring
-from pipeline.config import WorkerConfig
+from pipeline import numa, wiring
+from pipeline.config import WorkerConfig, setup_logging
 from stages.base import TableCustody
 
 log = logging.getLogger("epd.stage")
@@ -36,10 +36,11 @@ def doorbell_name(stage: str) -> str:
 
 
 class Heartbeats:
-    """Per stage: pid, last beat (time.monotonic), ready flag, restarts. float64 in shared memory."""
+    """Per stage: pid, last beat (time.monotonic), ready flag, restarts, and the fraction of
+    the last second its loop spent working. float64 in shared memory."""
 
-    FIELDS = 4
-    PID, BEAT, READY, RESTARTS = range(4)
+    FIELDS = 5
+    PID, BEAT, READY, RESTARTS, BUSY = range(5)
 
     def __init__(self, seg: shm.Segment):
         import numpy as np
@@ -170,10 +171,12 @@ class StatsBoard:
         self.seg.unlink()
 
 
-def stage_process(name: str, cfg_kwargs: dict, run_id: str, spec_kwargs: dict | None, conn) -> None:
-    """Entry point of a stage process (multiprocessing, spawn)."""
+def stage_process(name: str, cfg_kwargs: dict, run_id: str, spec_kwargs: dict | None, conn,
+                  cpus: list[int] | None = None) -> None:
+    """Entry point of a stage process (multiprocessing, spawn); `cpus`: its NUMA placement."""
+    numa.pin(cpus)  # first: the threads this process starts (torch, zmq, Mooncake) inherit it
     cfg = WorkerConfig(**cfg_kwargs)
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(message)s")
+    setup_logging(cfg, name)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides
@@ -188,6 +191,9 @@ def stage_process(name: str, cfg_kwargs: dict, run_id: str, spec_kwargs: dict | 
         host.run(stopping)
     finally:
         host.close()
+        # Interpreter teardown resets Python's handlers to the default: a second SIGTERM
+        # from the supervisor's stop would then end a stage that closed cleanly with -15.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _die_with_parent() -> None:
@@ -249,36 +255,24 @@ class StageHost:
                                         journal=self.journal.record if self.journal else None)
         if name == "reaper":
             self.stage.recover()
+        if name == "tower":
+            self._emit("scheduler", ("restarted",))  # credits for batches a predecessor held are gone
         if name == "intake":
-            self.sock = self._bind(cfg.intake)
+            self.sock = wiring.bind_pull(self.ctx, cfg.intake, wiring.intake_max_frame(cfg))
         elif name == "sender":
-            self.sock = self._bind(cfg.bootstrap)
+            self.sock = wiring.bind_pull(self.ctx, cfg.bootstrap, wiring.BOOTSTRAP_MAX_FRAME)
             self.socket_frames = queue.SimpleQueue()
             threading.Thread(target=self._socket_reader, daemon=True).start()
         self.stats_board = StatsBoard.attach(p, run_id)
         self._stats_at = 0.0
+        self._busy_window_at = time.monotonic()
+        self._idle_s = 0.0  # time spent in _idle() since _busy_window_at
         self.row[Heartbeats.READY] = 1.0
 
     def spec_kwargs(self) -> dict:
         from dataclasses import asdict
 
         return asdict(self.spec)
-
-    def _bind(self, endpoint: str):
-        import zmq
-
-        sock = self.ctx.socket(zmq.PULL)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 100000)
-        if endpoint.startswith("ipc://"):
-            try:
-                os.unlink(endpoint[len("ipc://"):])  # a dead predecessor's
-            except FileNotFoundError:
-                pass
-        sock.bind(endpoint)
-        if endpoint.startswith("ipc://"):
-            os.chmod(endpoint[len("ipc://"):], 0o600)
-        return sock
 
     def _socket_reader(self) -> None:
         """The sender's bootstrap socket, read by this thread alone; wakes the loop."""
@@ -317,6 +311,10 @@ class StageHost:
         if now - self._stats_at > 0.05:
             self._stats_at = now
             self.stats_board.write(self.name, self.stage.stats())
+        if now - self._busy_window_at >= 1.0:
+            wall = now - self._busy_window_at
+            self.row[Heartbeats.BUSY] = min(1.0, max(0.0, 1.0 - self._idle_s / wall))
+            self._busy_window_at, self._idle_s = now, 0.0
 
     def run(self, stopping: threading.Event) -> None:
         import zmq
@@ -365,7 +363,9 @@ class StageHost:
             self.custody.flush()
             if worked:
                 continue
+            idle_from = time.monotonic()
             self._idle()
+            self._idle_s += time.monotonic() - idle_from
 
     def _one_by_one(self, src: str, ring, recs: list) -> None:
         for raw in recs:

@@ -22,8 +22,9 @@ from dataclasses import asdict
 from ipc import shm
 from ipc.ring import Ring
 from ipc.rooms import RoomState
-from pipeline import wiring
+from pipeline import numa, wiring
 from pipeline.config import WorkerConfig
+from pipeline.metrics import MetricsError, MetricsServer, Snapshot, StageTotals
 from pipeline.stage_host import Heartbeats, IntakeJournal, StatsBoard, doorbell_name, stage_process
 
 log = logging.getLogger("epd.supervisor")
@@ -45,13 +46,22 @@ class Supervisor:
         self.fatal: str | None = None
         self.spec_kwargs: dict | None = None
         self._mp = mp.get_context("spawn")
+        self.metrics: MetricsServer | None = None  # the Prometheus endpoint; .port is the one bound
+        self.totals = StageTotals(wiring.STAGES)
+        self.placement = numa.placement(cfg)  # each stage's CPUs (None: unpinned)
+        if any(self.placement.values()):
+            log.info("NUMA placement: %s", ", ".join(f"{s} on CPUs {numa.format_cpulist(c)}" if c else
+                                                     f"{s} unpinned" for s, c in self.placement.items()))
         shm.sweep(cfg.shm_prefix)  # what a dead run of this prefix left, and only that
+        shm.require_free({"pixel arena": cfg.pixel_arena_bytes,
+                          "embedding arena": cfg.embedding_arena_bytes,
+                          "rings": len(wiring.EDGES) * cfg.ring_bytes})
         self.lock = shm.RunLock(cfg.shm_prefix)
         self.run_id = run_id = self.lock.run_id
         p = cfg.shm_prefix
         try:
-            os.makedirs(cfg.run_dir, mode=0o700, exist_ok=True)
-            self.shared = wiring.create_shared(cfg, run_id, self._own)
+            shm.private_dir(cfg.run_dir)
+            self.shared = wiring.create_shared(cfg, run_id, self._own, self.placement)
             self.rooms = self.shared.rooms
             for stage in wiring.STAGES:
                 name = shm.object_name(p, run_id, doorbell_name(stage))
@@ -78,10 +88,12 @@ class Supervisor:
         parent, child = self._mp.Pipe(duplex=False)
         cfg = asdict(self.cfg)
         proc = self._mp.Process(target=stage_process, name=f"epd-{name}",
-                                args=(name, cfg, self.run_id, self.spec_kwargs, child), daemon=False)
+                                args=(name, cfg, self.run_id, self.spec_kwargs, child, self.placement[name]),
+                                daemon=False)
         row = self.hb.row(name)
         row[Heartbeats.READY] = 0.0
         row[Heartbeats.BEAT] = time.monotonic()
+        row[Heartbeats.BUSY] = 0.0
         proc.start()
         child.close()
         return proc, parent
@@ -110,6 +122,11 @@ class Supervisor:
         """Start every stage, each ready before the next; the tower first (the others need its spec)."""
         order = ["tower"] + [s for s in wiring.STAGES if s != "tower"]
         try:
+            if self.cfg.metrics_endpoint:
+                try:
+                    self.metrics = MetricsServer(self.cfg.metrics_endpoint, self.metrics_snapshot)
+                except MetricsError as e:
+                    raise PipelineError(str(e)) from None
             for name in order:
                 proc, conn = self._spawn(name)
                 self.procs[name] = proc
@@ -154,6 +171,9 @@ class Supervisor:
         proc = self.procs[name]
         proc.join(5)
         self.procs[name] = None
+        with self.totals.lock:  # its successor counts from zero: keep what it had counted
+            self.totals.retire(name, self.stats_board.read(name))
+            self.stats_board.write(name, {})
         owner = wiring.OWNERS[name]
         bit = 1 << owner
         held = [(e.slot, e.room) for e in self.rooms.held_by(bit)]
@@ -165,7 +185,8 @@ class Supervisor:
             in_hand = self._unlink_journal()
             if in_hand is not None and self.rooms.find(in_hand) is None:
                 held.append((None, in_hand))  # the request it was reading: remember it as failed
-        log.error("the %s stage %s; failing the %d rooms it held", name, why, len(held))
+        log.error("the %s stage %s; failing the %d rooms it held: room=%s", name, why, len(held),
+                  ",".join(str(room) for _, room in held[:20]) + (",..." if len(held) > 20 else ""))
         self._to_reaper(("fail_rooms", held, f"the {name} stage died while it held this room",
                          name == "sender"))
         now = time.monotonic()
@@ -193,6 +214,7 @@ class Supervisor:
             self._died_at_start(name)
             return
         self.restart_counts[name] += 1
+        log.warning("restarted the %s stage (pid %d, restart %d)", name, proc.pid, self.restart_counts[name])
         self.hb.row(name)[Heartbeats.RESTARTS] = self.restart_counts[name]
         if name == "sender":
             self._to_reaper(("sender_restarted",))
@@ -232,6 +254,25 @@ class Supervisor:
         out = self.stats_board.read_all()
         out["restarts"] = dict(self.restart_counts)
         return out
+
+    def metrics_snapshot(self) -> Snapshot:
+        """What the metrics endpoint reports; called on its thread at every scrape."""
+        with self.totals.lock:
+            stats = {s: self.totals.seen(s, self.stats_board.read(s)) for s in wiring.STAGES}
+            totals = self.totals.total()
+        now = time.monotonic()
+        stages = {}
+        for stage in wiring.STAGES:
+            row = self.hb.row(stage)
+            stages[stage] = {
+                "ring_depth": sum(ring.depth() for (_, dst), ring in self.rings.items() if dst == stage),
+                "busy_ratio": float(row[Heartbeats.BUSY]),
+                "heartbeat_age_s": max(0.0, now - float(row[Heartbeats.BEAT])),
+                "restarts": self.restart_counts[stage],
+            }
+        arenas = {tier: (a.used_bytes(), a.size) for tier, a in
+                  (("pixels", self.shared.pixel_arena), ("embeddings", self.shared.emb_arena))}
+        return Snapshot(totals, stats, stages, arenas, self.rooms.count_live())
 
     # ------------------------------------------------------------ stopping
     def drain(self, deadline_s: float, second: threading.Event | None = None) -> None:
@@ -285,6 +326,9 @@ class Supervisor:
             self._stop_stage(name, timeout)
 
     def close(self) -> None:
+        if self.metrics is not None:  # first: a scrape reads the objects closed below
+            self.metrics.close()
+            self.metrics = None
         self._stop_all(5.0)
         for obj in reversed(self._objects):
             obj.close()
@@ -314,11 +358,16 @@ def run_pipeline(cfg: WorkerConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    sup = Supervisor(cfg)
+    try:
+        sup = Supervisor(cfg)
+    except Exception as e:  # /dev/shm too small, a run dir we cannot make, ...
+        raise PipelineError(str(e)) from e
     try:
         sup.start()
         print(f"serving (pipeline): intake {sup.cfg.intake}  bootstrap {sup.cfg.bootstrap}  "
               f"tower {sup.spec_kwargs['name']}", flush=True)
+        if sup.metrics is not None:
+            print(f"metrics: {sup.metrics.url}", flush=True)
         code = sup.serve(stop, second)
         if sup.fatal:
             print(f"error: {sup.fatal}", flush=True)

@@ -26,7 +26,7 @@ EDGES = [
     ("intake", "cache"), ("intake", "sender"), ("intake", "reaper"),
     ("cache", "scheduler"), ("cache", "sender"), ("cache", "reaper"),
     ("scheduler", "tower"), ("scheduler", "reaper"),
-    ("tower", "cache"), ("tower", "scheduler"), ("tower", "reaper"),
+    ("tower", "sender"), ("tower", "cache"), ("tower", "scheduler"), ("tower", "reaper"),
     ("sender", "reaper"),
     ("reaper", "sender"), ("reaper", "cache"), ("reaper", "scheduler"),
     ("supervisor", "reaper"),
@@ -52,18 +52,64 @@ class Shared:
     rooms: RoomTable
 
 
+BOOTSTRAP_MAX_FRAME = 1 << 20  # register/alloc/cancel are a few hundred bytes
+
+
+def bind_pull(ctx, endpoint: str, max_frame: int):
+    """The worker's PULL socket at `endpoint` (intake or bootstrap).
+
+    A frame over `max_frame` bytes makes ZeroMQ drop it and the peer's connection
+    before it is buffered: no request can be that large, and a queue of 100,000 of
+    them must stay bounded. An ipc:// socket file is made 0600 (a dead predecessor's
+    is replaced)."""
+    import os
+
+    import zmq
+
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 100000)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
+    path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
+    if path:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as e:
+        sock.close()
+        raise RuntimeError(f"cannot bind {endpoint}: {e}") from None
+    if path:
+        os.chmod(path, 0o600)
+    return sock
+
+
+def intake_max_frame(cfg: WorkerConfig) -> int:
+    """Inline pixels of a whole request, and room for its item list."""
+    return cfg.max_pixel_bytes_per_request + (1 << 20) + 4096 * cfg.max_items_per_request
+
+
 def room_capacity(cfg: WorkerConfig) -> int:
     return cfg.max_live_rooms + cfg.max_tombstones + 64
 
 
-def create_shared(cfg: WorkerConfig, run_id: str, own) -> Shared:
-    """Create the arenas and the room table; `own(obj)` takes each for cleanup."""
+def create_shared(cfg: WorkerConfig, run_id: str, own, placement: dict | None = None) -> Shared:
+    """Create the arenas and the room table; `own(obj)` takes each for cleanup.
+
+    With `placement` (stage -> CPUs), each arena is made on the CPUs of the stage that
+    writes most into it: a page lands on the node of the CPU that first touches it
+    (posix_fallocate, at creation)."""
+    from pipeline import numa
+
+    placement = placement or {}
     p = cfg.shm_prefix
-    return Shared(
-        pixel_arena=own(Arena.create(p, run_id, "pixels", cfg.pixel_arena_bytes)),
-        emb_arena=own(Arena.create(p, run_id, "emb", cfg.embedding_arena_bytes)),
-        rooms=own(RoomTable.create(p, run_id, "rooms", room_capacity(cfg))),
-    )
+    with numa.first_touch(placement.get("intake")):
+        pixel_arena = own(Arena.create(p, run_id, "pixels", cfg.pixel_arena_bytes))
+    with numa.first_touch(placement.get("tower")):
+        emb_arena = own(Arena.create(p, run_id, "emb", cfg.embedding_arena_bytes))
+    return Shared(pixel_arena, emb_arena, own(RoomTable.create(p, run_id, "rooms", room_capacity(cfg))))
 
 
 def attach_shared(cfg: WorkerConfig, run_id: str) -> Shared:

@@ -17,6 +17,7 @@ from ipc import shm
 from ipc.rooms import RoomState
 from pipeline import wiring
 from pipeline.config import WorkerConfig
+from pipeline.metrics import MetricsServer, Snapshot, Totals, totals_of
 from pipeline.transport import Engine
 from stages.records import RoomFailure
 from stages.tower import Tower, build_tower
@@ -32,7 +33,12 @@ class Worker:
         self.ctx = None
         self.stages = {}
         self._objects = []
+        self.metrics: MetricsServer | None = None  # the Prometheus endpoint; .port is the one bound
+        self.published: dict[str, dict] = {}        # each stage's stats(), copied by the loop for it
+        self._published_at = 0.0
         shm.sweep(cfg.shm_prefix)  # what a dead run of this prefix left
+        shm.require_free({"pixel arena": cfg.pixel_arena_bytes,
+                          "embedding arena": cfg.embedding_arena_bytes})
         self.lock = shm.RunLock(cfg.shm_prefix)
         run_id = self.lock.run_id
         try:
@@ -44,9 +50,9 @@ class Worker:
             self.engine = Engine(cfg.hostname, cfg.protocol, cfg.device)
             self.engine.register(self.emb_arena.address, self.emb_arena.size)
             self.ctx = zmq.Context()
-            os.makedirs(cfg.run_dir, mode=0o700, exist_ok=True)
-            self.intake_sock = self._bind(zmq.PULL, cfg.intake)
-            self.bootstrap_sock = self._bind(zmq.PULL, cfg.bootstrap)
+            shm.private_dir(cfg.run_dir)
+            self.intake_sock = wiring.bind_pull(self.ctx, cfg.intake, wiring.intake_max_frame(cfg))
+            self.bootstrap_sock = wiring.bind_pull(self.ctx, cfg.bootstrap, wiring.BOOTSTRAP_MAX_FRAME)
             self.queue: deque = deque()
             for name in wiring.STAGES:
                 self.stages[name] = wiring.build_stage(
@@ -63,6 +69,12 @@ class Worker:
         self.reaper = self.stages["reaper"].reaper
         self.stages["reaper"].on_conclusion = self.on_conclusions
         self.accepting = True
+        if cfg.metrics_endpoint:
+            try:
+                self.metrics = MetricsServer(cfg.metrics_endpoint, self.metrics_snapshot)
+            except BaseException:
+                self.close()
+                raise
 
     @property
     def tower_items(self) -> int:
@@ -80,19 +92,6 @@ class Worker:
     def _own(self, obj):
         self._objects.append(obj)
         return obj
-
-    def _bind(self, kind, endpoint: str) -> zmq.Socket:
-        sock = self.ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 100000)
-        try:
-            sock.bind(endpoint)
-        except zmq.ZMQError as e:
-            sock.close()
-            raise RuntimeError(f"cannot bind {endpoint}: {e}") from None
-        if endpoint.startswith("ipc://"):
-            os.chmod(endpoint[len("ipc://"):], 0o600)
-        return sock
 
     # ------------------------------------------------------------ the loop
     def serve(self, stop: threading.Event) -> None:
@@ -125,6 +124,10 @@ class Worker:
         for stage in self.stages.values():
             stage.tick(now)
             self._dispatch()
+        if self.metrics is not None and now - self._published_at > 0.05:
+            # The endpoint's thread reads copies: the stages' own counters change under this loop.
+            self._published_at = now
+            self.published = {name: stage.stats() for name, stage in self.stages.items()}
 
     def _drain(self, sock, stage, limit: int = 256, until=None) -> None:
         for _ in range(limit):
@@ -153,6 +156,16 @@ class Worker:
             out.update(stage.stats())
         return out
 
+    def metrics_snapshot(self) -> Snapshot:
+        """What the metrics endpoint reports; called on its thread at every scrape."""
+        stats = self.published
+        totals = Totals()
+        for s in stats.values():
+            totals.add(totals_of(s))
+        arenas = {"pixels": (self.pixel_arena.used_bytes(), self.pixel_arena.size),
+                  "embeddings": (self.emb_arena.used_bytes(), self.emb_arena.size)}
+        return Snapshot(totals, stats, {}, arenas, self.rooms.count_live())
+
     def idle(self) -> bool:
         return not self.queue and not any(s.busy() for s in self.stages.values()) \
             and not len(self.scheduler) and not self.sender.live
@@ -173,6 +186,9 @@ class Worker:
             self.step(0.005)
 
     def close(self) -> None:
+        if self.metrics is not None:  # first: a scrape reads the objects closed below
+            self.metrics.close()
+            self.metrics = None
         for stage in self.stages.values():
             try:
                 stage.close()  # the tower's waits for its jobs; the reaper's closes status sockets

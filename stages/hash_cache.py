@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import struct
+from collections import Counter
 
 import xxhash
 
@@ -34,6 +35,10 @@ class HashCache:
         self.trust_client_hash = trust_client_hash
         self.inflight = InflightMisses()
         self.dedup_hits = 0
+        self.outcomes = Counter()  # items by cache outcome: hit_arena, hit_host, miss, inflight_duplicate
+        # Encoded rows go to their waiters first and into the cache after (flush_inserts):
+        # inserting can demote an older entry, a copy of megabytes that need not delay a send.
+        self.pending_inserts: list[tuple[tuple, Lease]] = []
 
     def key_of(self, w: WorkItem) -> tuple:
         if self.trust_client_hash and w.client_hash is not None:
@@ -48,22 +53,36 @@ class HashCache:
         pixels were reclaimed from a dead intake; the caller fails the room."""
         self.pixel_arena.transfer(w.pixels, OWNER_INTAKE, OWNER_CACHE)
         w.key = self.key_of(w)
+        self.flush_inserts()  # a key encoded a moment ago is a hit, not a second encode
         lease = self.cache.lookup(w.key, OWNER_CACHE)
         if lease is not None:
+            self.outcomes[self.cache.last_status.value] += 1
             self._drop_pixels(w)
             return ReadyItem(w.slot, w.room, w.item, w.span, lease), None
         if self.inflight.begin(w.key, w):
+            self.outcomes["miss"] += 1
             return None, w
         self.dedup_hits += 1
+        self.outcomes["inflight_duplicate"] += 1
         return None, None
 
-    def on_encoded(self, key: tuple, lease: Lease) -> list[ReadyItem]:
-        """The tower wrote `key`'s rows into `lease`. Each ReadyItem carries a reference of
-        this stage (OWNER_CACHE), which the sender takes over on receipt; the caller keeps
-        its own."""
-        self.cache.insert(key, lease)
+    def on_encoded(self, encoded: WorkItem) -> list[ReadyItem]:
+        """The tower wrote `encoded`'s rows into its lease and sent them on to the sender
+        itself; the identical items that waited for them are returned ready, each with a
+        reference of this stage (OWNER_CACHE), which the sender takes over on receipt. The
+        caller's own reference passes to this object: flush_inserts() caches the rows and
+        drops it."""
+        key, lease = encoded.key, encoded.out
+        self.pending_inserts.append((key, lease))
         ready = []
-        for w in self.inflight.finish(key):
+        waiters = self.inflight.finish(key)
+        if waiters and not self._same(waiters[0], encoded):
+            # `encoded` led until its room failed; the waiter encoded in its place
+            # (forget_room) gets its own rows, the others need not wait for them
+            self.inflight.begin(key, waiters.pop(0))
+        for w in waiters:
+            if w is encoded or (w.room, w.item) == (encoded.room, encoded.item):
+                continue
             self._drop_pixels(w)
             try:
                 self.cache.arena.addref(lease, OWNER_CACHE)
@@ -71,6 +90,15 @@ class HashCache:
                 continue
             ready.append(ReadyItem(w.slot, w.room, w.item, w.span, lease))
         return ready
+
+    def flush_inserts(self) -> None:
+        pending, self.pending_inserts = self.pending_inserts, []
+        for key, lease in pending:
+            self.cache.insert(key, lease)
+            try:
+                self.cache.arena.drop(lease, OWNER_CACHE)
+            except StaleLease:
+                pass
 
     def on_encode_failed(self, key: tuple,
                          failed_rooms: set[int]) -> tuple[list[WorkItem], WorkItem | None]:
@@ -89,18 +117,35 @@ class HashCache:
                 again = w
         return failed, again
 
-    def forget_room(self, room: int) -> None:
-        """A failed room's waiters stop waiting (their pixels are released)."""
+    def leads(self, w: WorkItem) -> bool:
+        """Whether `w` is the item being encoded for its key (not one replaced by forget_room)."""
+        waiters = self.inflight.waiting(w.key)
+        return bool(waiters) and self._same(waiters[0], w)
+
+    @staticmethod
+    def _same(a: WorkItem, b: WorkItem) -> bool:
+        return (a.room, a.item) == (b.room, b.item)
+
+    def forget_room(self, room: int) -> list[WorkItem]:
+        """A failed room's waiters stop waiting (their pixels are released). Where the room's
+        item was the one being encoded for the others, its encode may never come back (the
+        scheduler drops a failed room's queued items; a dead stage loses what it held): the
+        first other waiter is returned, to be encoded in its place."""
+        promoted = []
         for key in self.inflight.keys():
             waiters = self.inflight.waiting(key)
-            if len(waiters) > 1 and any(w.room == room for w in waiters[1:]):
-                keep = [w for w in waiters if w.room != room or w is waiters[0]]
-                for w in waiters:
-                    if w not in keep:
-                        self._drop_pixels(w)
-                self.inflight.abort(key)
-                for w in keep:
-                    self.inflight.begin(key, w)
+            if not any(w.room == room for w in waiters):
+                continue
+            keep = [w for w in waiters if w.room != room]
+            for w in waiters[1:]:  # the first one's pixels are the scheduler's or the tower's
+                if w.room == room:
+                    self._drop_pixels(w)
+            self.inflight.abort(key)
+            for w in keep:
+                self.inflight.begin(key, w)
+            if keep and waiters[0].room == room:
+                promoted.append(keep[0])
+        return promoted
 
     def _drop_pixels(self, w: WorkItem) -> None:
         if w.pixels is None:  # the tower already let go of them
@@ -128,15 +173,22 @@ class CacheStage(Stage):
         elif source == "tower":
             self._encoded(rec)
         elif source == "reaper":
-            self.hc.forget_room(rec[1])
+            for w in self.hc.forget_room(rec[1]):
+                self.emit("scheduler", w)
+                self.custody.release(w.slot, w.room)
             self.custody.forget(rec[1])
         else:
             raise ValueError(f"cache: unexpected source {source!r}")
 
+    def tick(self, now: float) -> None:
+        self.hc.flush_inserts()
+
     def stats(self) -> dict:
-        return {"cache": self.hc.cache.stats(), "dedup_hits": self.hc.dedup_hits}
+        return {"cache": self.hc.cache.stats(), "dedup_hits": self.hc.dedup_hits,
+                "cache_items": dict(self.hc.outcomes)}
 
     def close(self) -> None:
+        self.hc.flush_inserts()
         self.hc.cache.clear()
 
     def _item(self, w: WorkItem) -> None:
@@ -163,13 +215,13 @@ class CacheStage(Stage):
             except StaleLease:
                 kind, rec = "failed", ("failed", w, "embedding was lost (tower died)", {w.room})
         if kind == "encoded":
-            for ready in self.hc.on_encoded(w.key, w.out):
+            for ready in self.hc.on_encoded(w):  # waiters, in our custody
                 self.emit("sender", ready)
-                if (ready.room, ready.item) != (w.room, w.item):  # waiters were ours
-                    self.custody.release(ready.slot, ready.room)
-            self.emb_arena.drop(w.out, OWNER_CACHE)
+                self.custody.release(ready.slot, ready.room)
             return
         _, w, reason, failed_rooms = rec
+        if not self.hc.leads(w):
+            return  # replaced after its room failed: the waiters wait for its successor
         failed, again = self.hc.on_encode_failed(w.key, failed_rooms)
         for f in failed:
             self.emit("reaper", RoomFailure(f.slot, f.room, reason))

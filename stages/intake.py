@@ -14,6 +14,7 @@ from ipc import shm
 from ipc.arena import Arena, Lease
 from ipc.rooms import RoomState, RoomTable, TableFull
 from pipeline import protocol
+from pipeline.metrics import reason_class
 from pipeline.protocol import ProtocolError
 from stages.base import Stage
 from stages.records import OWNER_INTAKE, RoomFailure, RoomOpened, WorkItem
@@ -74,24 +75,29 @@ class Intake:
         self.journal = None        # journal(room or None, segment names), set by a host that wants it
         self.dropped = Counter()   # reason -> messages dropped without a room to fail
         self.failed = Counter()    # reason kind -> rooms failed at intake
+        self.requests = Counter()  # (accepted / rejected: room failed here / dropped, reason class)
         self._seq = 0
         self._logged = set()
 
     # ------------------------------------------------------------ helpers
     def _drop(self, reason: str) -> IntakeResult:
-        self.dropped[reason.split(":")[0]] += 1
+        protocol.count_reason(self.dropped, reason.split(":")[0])
+        self.requests[("dropped", reason_class(reason))] += 1
         self._log_once(f"dropped a message: {reason}")
         return IntakeResult()
 
     def _log_once(self, text: str) -> None:
-        key = text.split(":")[0] if len(self._logged) > 1000 else text
-        if key not in self._logged:
-            self._logged.add(key)
+        if text not in self._logged:
+            if len(self._logged) >= 1000:  # hostile clients make every text new: stay bounded
+                self._logged.clear()
+            self._logged.add(text)
             log.warning(text)
 
     def segment_name_problem(self, name: str) -> str | None:
         """Why the worker will not open `name`, or None if it is a client segment it may take."""
-        if not name.startswith("/" + self.prefix) or len(name) > 255:
+        if len(name) > 255:
+            return f"segment name {name[:80]!r}... is {len(name)} characters, longer than 255"
+        if not name.startswith("/" + self.prefix):
             return f"segment {name[:80]!r} is outside the worker's shm prefix '/{self.prefix}'"
         rest = name[1:]
         if "/" in rest or "\0" in rest or rest in (".", ".."):
@@ -207,6 +213,7 @@ class Intake:
                 grid_thw=[list(g) for g in it.grid_thw], pixel_dtype=it.pixels.dtype,
                 n_patches=it.pixels.shape[0], patch_dim=it.pixels.shape[1], span=sp,
                 pixels=lease, client_hash=it.hash))
+        self.requests[("accepted", "none")] += 1
         return IntakeResult(opened=RoomOpened(slot, room, req.request_id, spans, deadline),
                             items=items)
 
@@ -236,12 +243,14 @@ class Intake:
             got += n
 
     def _fail_new_room(self, room: int, rid: str, reason: str) -> IntakeResult:
-        self.failed[reason.split(":")[0][:60]] += 1
-        self._log_once(f"room {room} ({rid!r}) failed at intake: {reason}")
+        protocol.count_reason(self.failed, reason.split(":")[0][:60])
+        # One line per room would flood under overload; the reaper logs each failed room at INFO.
+        log.debug("room failed at intake: room=%d request_id=%s reason=%s", room, rid, reason)
         try:
             slot = self.rooms.insert(room, rid or "?", 0, 1 << OWNER_INTAKE)
         except TableFull as e:
             return self._drop(f"room table full: {e}")
+        self.requests[("rejected", reason_class(reason))] += 1
         return IntakeResult(failure=RoomFailure(slot, room, reason))
 
 
@@ -298,4 +307,5 @@ class IntakeStage(Stage):
         return self.stalled is not None
 
     def stats(self) -> dict:
-        return {"intake_dropped": dict(self.intake.dropped), "intake_failed": dict(self.intake.failed)}
+        return {"intake_dropped": dict(self.intake.dropped), "intake_failed": dict(self.intake.failed),
+                "requests": dict(self.intake.requests)}

@@ -17,6 +17,7 @@ import zmq
 
 from ipc.rooms import RoomState, RoomTable, TableFull
 from pipeline import protocol
+from pipeline.metrics import Histogram, reason_class
 from stages.base import Stage
 from stages.records import OWNER_REAPER, RoomFailure, RoomOpened
 
@@ -44,7 +45,13 @@ class StatusPusher:
         sock.setsockopt(zmq.SNDHWM, self.hwm)
         sock.setsockopt(zmq.LINGER, 1000)
         sock.setsockopt(zmq.IMMEDIATE, 0)
-        sock.connect(endpoint)
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as e:  # the sender checks endpoints; this one still got past it
+            sock.close(linger=0)
+            log.warning("receiver %r registered status endpoint %r, which cannot be connected to: %s",
+                        receiver, endpoint, e)
+            return
         self.endpoints[receiver] = endpoint
         self.sockets[receiver] = sock
         for frame in self.waiting.pop(receiver, []):
@@ -59,11 +66,18 @@ class StatusPusher:
                 held.append(frame)
             else:
                 self.undelivered += 1
+                self._log_undelivered(receiver)
             return
         try:
             sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:
             self.undelivered += 1
+            self._log_undelivered(receiver)
+
+    def _log_undelivered(self, receiver: str) -> None:
+        if self.undelivered & (self.undelivered - 1) == 0:  # the 1st, 2nd, 4th, 8th...: not one per status
+            log.warning("dropped a status for receiver %s: its queue is full (status_hwm %d); "
+                        "%d statuses dropped so far", receiver, self.hwm, self.undelivered)
 
     def close(self) -> None:
         for sock in self.sockets.values():
@@ -97,11 +111,16 @@ class Reaper:
         self.registrations: dict = {}
         self.sender_died_at = 0.0
         self.outcomes = Counter()
+        self.concluded_by_reason = Counter()  # (outcome, reason class) -> rooms
+        self.latency = Histogram()            # room opened to concluded, seconds
         self.conclusions: list[tuple[int, str, str]] = []  # (room, "success"|"failed", reason), for callers
 
     # ------------------------------------------------------------ inputs
     def on_opened(self, o: RoomOpened) -> None:
-        self.told[o.room] = _Told()
+        # Kept, not reset: an alloc_seen may have overtaken the room, or a receiver been
+        # told "unknown room" (it must not hear about the room again).
+        self.told.setdefault(o.room, _Told())
+        self.tombstones.pop(o.room, None)  # only an unknown room's can be there
         if o.deadline:
             heapq.heappush(self.deadlines, (o.deadline, o.slot, o.room))
 
@@ -135,6 +154,10 @@ class Reaper:
             reason = self.reasons.pop(room, None)
             if reason is None:
                 entry = self._entry(room)
+                if entry is not None and entry.state == RoomState.SUCCESS:
+                    # A cancel (or a failure) that reached the sender after the room had
+                    # succeeded: every receiver has its successes, there is nothing to tell.
+                    return
                 reason = entry.reason if entry else "room failed"
             told = self.told.get(room, _Told())
             to = set(receivers) | told.known
@@ -147,10 +170,14 @@ class Reaper:
             for r in sorted(to):
                 self._tell_failed(room, r, reason)
         elif kind in ("late_alloc", "unknown_room"):
-            _, room, receiver = ev
+            room, receiver = ev[1], ev[2]
             entry = self._entry(room)
             if entry is None:
-                reason = "unknown room"
+                reason = ev[3] if kind == "unknown_room" else "unknown room"
+                if room not in self.tombstones:
+                    # Whom we told about a room we never had is remembered as long as a
+                    # tombstone, and as boundedly: hostile allocs must not grow `told`.
+                    self.tombstones[room] = (time.monotonic(), None)
             elif entry.state == RoomState.FAILED:
                 reason = entry.reason
             elif room in self.reasons:  # failing, fence not yet answered: it will tell them
@@ -173,7 +200,7 @@ class Reaper:
                 try:
                     slot = self.rooms.insert(f.room, "?", 0, OWNER_REAPER)
                 except TableFull:
-                    log.error("room %d failed (%s) but the room table is full", f.room, f.reason)
+                    log.error("room failed but the room table is full: room=%d reason=%s", f.room, f.reason)
                     self.fence(f.room)
                     return
         if not self.rooms.fail(slot, f.room, f.reason):
@@ -197,7 +224,8 @@ class Reaper:
             if room in self.reasons:  # still waiting for its fence
                 break
             self.tombstones.popitem(last=False)
-            self.rooms.free(slot, room)
+            if slot is not None:
+                self.rooms.free(slot, room)
             self.told.pop(room, None)
 
     # ------------------------------------------------------------ helpers
@@ -214,10 +242,17 @@ class Reaper:
 
     def _concluded(self, room: int, slot: int, outcome: str, reason: str) -> None:
         self.outcomes[outcome] += 1
+        self.concluded_by_reason[(outcome, reason_class(reason) if outcome == "failed" else "none")] += 1
+        entry = self.rooms.get(slot)
+        if entry is not None and entry.room == room and entry.concluded:
+            self.latency.observe(max(0.0, entry.concluded - entry.created))
         self.conclusions.append((room, outcome, reason))
+        self.tombstones.pop(room, None)  # an unknown room's, if any: this one is newer
         self.tombstones[room] = (time.monotonic(), slot)
         if outcome == "failed":
-            log.info("room %d failed: %s", room, reason)
+            entry = self.rooms.get(slot)
+            request_id = entry.request_id if entry is not None and entry.room == room else "?"
+            log.info("room failed: room=%d request_id=%s reason=%s", room, request_id, reason)
 
 
 class ReaperStage(Stage):
@@ -291,7 +326,9 @@ class ReaperStage(Stage):
             r.conclusions = []
 
     def stats(self) -> dict:
-        return {"rooms": dict(self.reaper.outcomes), "status_undelivered": self.reaper.pusher.undelivered}
+        r = self.reaper
+        return {"rooms": dict(r.outcomes), "status_undelivered": r.pusher.undelivered,
+                "rooms_concluded": dict(r.concluded_by_reason), "room_latency_seconds": r.latency.snapshot()}
 
     def close(self) -> None:
         self.reaper.pusher.close()

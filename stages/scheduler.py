@@ -153,6 +153,7 @@ class SchedulerStage:
         self.owner = owner
         self.prev_owner = prev_owner
         self.custody = custody or Custody()
+        self.depth = depth
         self.credits = depth
 
     def handle(self, source: str, rec) -> None:
@@ -170,7 +171,12 @@ class SchedulerStage:
                 return
             self.scheduler.add(Pending(w.seq, w.room, w.item, w.span, w))
         elif source == "tower":
-            self.credits += 1
+            if rec[0] == "restarted":
+                # The batches its predecessor held died with it and will hand no credit back.
+                # Those still in the ring will: a cap of `depth` keeps them from adding up.
+                self.credits = self.depth
+            else:
+                self.credits = min(self.credits + 1, self.depth)
         elif source == "reaper":
             room = rec[1]
             for p in self.scheduler.remove_room(room):

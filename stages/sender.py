@@ -11,7 +11,8 @@ Events (tuples) to the reaper:
   ("fail", slot, room, reason)                 the room cannot succeed (slot None: not opened)
   ("fenced", room, [receivers])                no write for the room is in flight or can start
   ("late_alloc", room, receiver)               alloc for a room that is already concluded
-  ("unknown_room", room, receiver)             allocs held bootstrap_timeout_s for a room never seen
+  ("unknown_room", room, receiver, reason)     an alloc for a room never seen, held bootstrap_timeout_s
+                                               or refused (max_held_allocs)
   ("alloc_seen", room, receiver)               first alloc of a receiver for a live room (so the
                                                reaper can tell it `failed` even if this process dies)
 """
@@ -25,9 +26,10 @@ from dataclasses import dataclass, field
 from ipc.arena import Arena, StaleLease
 from ipc.rooms import RoomState, RoomTable
 from pipeline import protocol
+from pipeline.metrics import Histogram
 from pipeline.protocol import Alloc, Cancel, ProtocolError, Register
 from stages.base import Stage
-from stages.records import OWNER_CACHE, OWNER_SENDER, ReadyItem, RoomOpened
+from stages.records import OWNER_CACHE, OWNER_SENDER, OWNER_TOWER, STAGE_NAMES, ReadyItem, RoomOpened
 
 log = logging.getLogger("epd.sender")
 
@@ -37,6 +39,7 @@ class _Write:
     item: int
     receiver: str
     pending: object  # transport Pending
+    started: float   # time.monotonic() at submit
 
 
 @dataclass
@@ -59,6 +62,9 @@ class _RoomTx:
     writes: list[_Write] = field(default_factory=list)
 
 
+MAX_RECEIVERS = 4096  # prefill ranks one worker serves: a deployment has far fewer
+
+
 class Sender:
     def __init__(self, *, arena: Arena, engine, rooms: RoomTable, hidden: int, dtype: str,
                  deepstack_width: int, bootstrap_timeout_s: float, max_held_allocs: int):
@@ -79,6 +85,8 @@ class Sender:
         self.events: list[tuple] = []
         self.dropped = Counter()
         self.bytes_written = 0
+        self.transfer_seconds = Histogram()
+        self.transfer_failures = 0
         self.started_at = time.monotonic()
         self.writing: set[int] = set()  # rooms with writes in flight
         self._timeouts_at = 0.0
@@ -94,6 +102,11 @@ class Sender:
             self._drop(f"bootstrap message: {e}")
             return
         if isinstance(m, Register):
+            if m.receiver not in self.receivers and len(self.receivers) >= MAX_RECEIVERS:
+                # Each receiver costs a status socket in the reaper: anyone who reaches
+                # the bootstrap socket must not be able to grow that without end.
+                self._drop(f"register: {MAX_RECEIVERS} receivers are registered already")
+                return
             self.receivers[m.receiver] = m
             self.events.append(("register", m))
         elif m.receiver not in self.receivers:
@@ -120,14 +133,15 @@ class Sender:
         for r in self.early.pop(opened.room, []):
             self._adopt(r)
 
-    def on_ready(self, r: ReadyItem, now: float | None = None) -> None:
-        """Takes over the cache stage's reference on r.lease."""
+    def on_ready(self, r: ReadyItem, now: float | None = None, from_owner: int = OWNER_CACHE) -> None:
+        """Takes over the reference on r.lease that its producer (cache or tower) holds."""
         try:
-            self.arena.transfer(r.lease, OWNER_CACHE, OWNER_SENDER)
+            self.arena.transfer(r.lease, from_owner, OWNER_SENDER)
         except StaleLease:
             tx = self.live.get(r.room)
             if tx is not None:
-                self._fail(r.room, tx, "embedding was lost before it could be sent (cache died)")
+                who = STAGE_NAMES.get(from_owner, "a stage")
+                self._fail(r.room, tx, f"embedding was lost before it could be sent ({who} died)")
             return
         tx = self.live.get(r.room)
         if tx is None:
@@ -161,7 +175,9 @@ class Sender:
                 return
             if self.n_held >= self.max_held_allocs:
                 self._drop("alloc for an unknown room: too many held (max_held_allocs)")
-                self.events.append(("unknown_room", a.room, a.receiver))
+                self.events.append(("unknown_room", a.room, a.receiver,
+                                    f"alloc for a room this worker has not seen, and it already holds "
+                                    f"{self.max_held_allocs} such allocs (max_held_allocs)"))
                 return
             self.held.setdefault(a.room, []).append((arrival, a))
             self.n_held += 1
@@ -234,7 +250,8 @@ class Sender:
         if not self.arena.valid(it.ready.lease):
             self._fail(room, tx, "embedding was reclaimed before it could be sent")
             return
-        self.rooms.advance(tx.slot, room, RoomState.TRANSFERRING, OWNER_SENDER)
+        # no owner: the table's owner field is the custody bit mask, which a number would overwrite
+        self.rooms.advance(tx.slot, room, RoomState.TRANSFERRING)
         base = self.arena.address + it.ready.lease.offset
         main_row = self.hidden * self.itemsize
         ds_row = self.deepstack_width * self.itemsize
@@ -254,9 +271,10 @@ class Sender:
             try:
                 pending = self.engine.submit(session, srcs, dsts, lens)
             except Exception as e:  # the transport names the cause
+                self.transfer_failures += 1
                 self._fail(room, tx, f"transfer to receiver {a.receiver} could not start: {e}")
                 return
-            tx.writes.append(_Write(item, a.receiver, pending))
+            tx.writes.append(_Write(item, a.receiver, pending, time.monotonic()))
             self.writing.add(room)
             it.writes_left += 1
             self.bytes_written += sum(lens)
@@ -296,6 +314,9 @@ class Sender:
                 continue
             it = tx.items[w.item]
             it.writes_left -= 1
+            self.transfer_seconds.observe(time.monotonic() - w.started)
+            if not ok:
+                self.transfer_failures += 1
             if ok and not tx.failing:
                 self.events.append(("success", room, w.item, w.receiver))
             elif not ok:
@@ -326,7 +347,7 @@ class Sender:
             keep = [(t, a) for t, a in held if t >= limit]
             for t, a in held:
                 if t < limit:
-                    self.events.append(("unknown_room", room, a.receiver))
+                    self.events.append(("unknown_room", room, a.receiver, "unknown room"))
             self.n_held -= len(held) - len(keep)
             if keep:
                 self.held[room] = keep
@@ -389,8 +410,10 @@ class Sender:
             pass
 
     def _drop(self, reason: str) -> None:
-        self.dropped[reason] += 1
+        protocol.count_reason(self.dropped, reason)
         if reason not in self._logged:
+            if len(self._logged) >= 1000:  # reasons quote what clients sent: stay bounded
+                self._logged.clear()
             self._logged.add(reason)
             log.warning("dropped: %s", reason)
 
@@ -416,8 +439,8 @@ class SenderStage(Stage):
                 self.custody.hold(rec.slot, rec.room)
             for _ in range(early):  # now covered by the room, or released with it
                 self.custody.release(rec.slot, rec.room)
-        elif source == "cache":
-            s.on_ready(rec)
+        elif source in ("cache", "tower"):
+            s.on_ready(rec, from_owner=OWNER_TOWER if source == "tower" else OWNER_CACHE)
             if rec in s.early.get(rec.room, ()):  # held until its room arrives: ours meanwhile
                 self.custody.hold(rec.slot, rec.room)
         elif source == "reaper":
@@ -467,4 +490,5 @@ class SenderStage(Stage):
         s = self.sender
         return {"sender_dropped": dict(s.dropped), "bytes_written": s.bytes_written,
                 "sender_live_rooms": len(s.live), "sender_held_allocs": s.n_held,
-                "sender_early_items": sum(len(v) for v in s.early.values())}
+                "sender_early_items": sum(len(v) for v in s.early.values()),
+                "transfer_seconds": s.transfer_seconds.snapshot(), "transfer_failures": s.transfer_failures}

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import operator
 import os
 import threading
@@ -43,6 +44,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import xxhash
+
+from pipeline.metrics import Histogram
 
 __all__ = [
     "DTYPES",
@@ -60,6 +63,8 @@ __all__ = [
     "numpy_dtype",
     "sim_rows",
 ]
+
+log = logging.getLogger("epd.tower")
 
 DTYPES = ("float32", "float16", "bfloat16")
 _NP_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
@@ -583,13 +588,16 @@ class _QwenTower(Tower):
     kind: str  # "qwen2.5-vl" | "qwen3-vl"
 
     def __init__(self, *, config: Any = None, checkpoint: str | None = None,
-                 dtype: str | None = None, device: str | None = None, seed: int = 0,
+                 dtype: str | None = None, device: str | None = None, gpu: int = 0, seed: int = 0,
                  attn_implementation: str | None = None):
         import torch
 
         if (config is None) == (checkpoint is None):
             raise ValueError(f"{self.kind}: give exactly one of config='tiny' (or a dict) or checkpoint=PATH")
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = torch.device(device or (f"cuda:{gpu}" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and self.device.index is not None:
+            # events, synchronize() and cudaHostRegister act on the current device
+            torch.cuda.set_device(self.device)
         if dtype is None:
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         tdtype = _torch_dtype(dtype)
@@ -861,7 +869,8 @@ def build_tower(name: str, **settings: Any) -> Tower:
     ``checkpoint=PATH`` (a local HF checkpoint directory: ``config.json``'s
     ``vision_config`` and the safetensors keys under ``model.visual.`` or
     ``visual.``); ``dtype`` (default bfloat16 on CUDA, float32 on CPU); ``device``
-    (default CUDA when available, else CPU); ``attn_implementation`` (default the
+    (default ``cuda:{gpu}`` when CUDA is available, else CPU; ``gpu`` default 0);
+    ``attn_implementation`` (default the
     config's, i.e. sdpa).
     """
     try:
@@ -875,11 +884,11 @@ def build_tower(name: str, **settings: Any) -> Tower:
 
 
 class TowerStage:
-    """Batches from the scheduler in; each item's result to the cache, a credit back.
+    """Batches from the scheduler in; each item's rows to the sender and the cache, a credit back.
 
     Jobs start as batches arrive (an asynchronous device queues them); results go
     out in order as jobs finish. Pixels are dropped once the batch is done; the
-    item's output lease travels on to the cache, which takes it over.
+    item's output lease travels on to the sender and the cache, which take it over.
     """
 
     name = "tower"
@@ -897,8 +906,11 @@ class TowerStage:
         self.prev_owner = prev_owner
         self.custody = custody or Custody()
         self.jobs: list[tuple[TowerJob, list]] = []
+        self.job_started: list[float] = []  # time.monotonic() each job started, in self.jobs' order
         self.batches = 0
         self.items = 0
+        self.rows = 0
+        self.batch_seconds = Histogram()
         register = getattr(tower, "register_host_memory", None)
         if register is not None:
             register(emb_arena.address, emb_arena.size)
@@ -937,25 +949,38 @@ class TowerStage:
             return
         self.batches += 1
         self.items += len(live)
+        self.rows += sum(w.span for w in live)
         try:
             job = self.tower.start(items, outs)
         except TowerError as e:
             job = _DoneJob(e)
         self.jobs.append((job, live))
+        self.job_started.append(time.monotonic())
 
     def tick(self, now: float) -> None:
+        from stages.records import ReadyItem
+
         while self.jobs and self.jobs[0][0].done():
             job, batch = self.jobs.pop(0)
+            self.batch_seconds.observe(time.monotonic() - self.job_started.pop(0))
             try:
                 job.result()
                 error = None
             except TowerError as e:
                 error = f"tower failed: {e}"
             rooms = {w.room for w in batch}
+            if error is not None:
+                log.warning("tower batch of %d items failed: room=%s: %s", len(batch),
+                            ",".join(map(str, sorted(rooms))), error)
             for w in batch:
                 self.pixel_arena.drop(w.pixels, self.owner)
                 w.pixels = None
                 if error is None:
+                    # Straight to the sender (the critical path), and to the cache, which
+                    # shares the rows with identical items waiting and caches them: each
+                    # gets a reference of ours and takes it over on receipt.
+                    self.emb_arena.addref(w.out, self.owner)
+                    self.emit("sender", ReadyItem(w.slot, w.room, w.item, w.span, w.out))
                     self.emit("cache", ("encoded", w))
                 else:
                     self.emb_arena.drop(w.out, self.owner)
@@ -968,7 +993,8 @@ class TowerStage:
         return bool(self.jobs)
 
     def stats(self) -> dict:
-        return {"tower_batches": self.batches, "tower_items": self.items}
+        return {"tower_batches": self.batches, "tower_items": self.items, "tower_rows": self.rows,
+                "tower_batch_seconds": self.batch_seconds.snapshot()}
 
     def next_done_in(self) -> float | None:
         """Seconds until the oldest job may be done, when the tower can tell (sim)."""
