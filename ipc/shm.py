@@ -128,14 +128,16 @@ def private_dir(path: str) -> None:
 
 
 class Segment:
-    """A mapped POSIX shared-memory segment. ``buf`` is a writable memoryview."""
+    """A mapped POSIX shared-memory segment. ``buf`` is a writable memoryview, unless
+    attached read-only (then any write through it raises)."""
 
-    def __init__(self, name: str, fd: int, size: int, owner: bool):
+    def __init__(self, name: str, fd: int, size: int, owner: bool, readonly: bool = False):
         self.name = name
         self.size = size
         self.owner = owner
         self._fd = fd
-        self._mmap = mmap.mmap(fd, size) if size else None
+        prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
+        self._mmap = mmap.mmap(fd, size, prot=prot) if size else None
         self.buf = memoryview(self._mmap) if size else memoryview(b"")
 
     @classmethod
@@ -162,14 +164,14 @@ class Segment:
             raise
 
     @classmethod
-    def attach(cls, name: str) -> "Segment":
+    def attach(cls, name: str, readonly: bool = False) -> "Segment":
         try:
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY if readonly else os.O_RDWR)
         except FileNotFoundError:
             raise ShmError(f"shared-memory segment {name!r} does not exist") from None
         try:
             size = os.fstat(fd).st_size
-            return cls(name, fd, size, owner=False)
+            return cls(name, fd, size, owner=False, readonly=readonly)
         except BaseException:
             os.close(fd)
             raise

@@ -10,7 +10,6 @@ table in shared memory: that much is shown.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import time
 from collections import Counter
@@ -23,36 +22,6 @@ from pipeline.config import WorkerConfig
 from pipeline.stage_host import Heartbeats, StatsBoard
 
 NO_WORKER = 4
-
-
-class _ReadOnlySegment:
-    """A segment mapped PROT_READ: the same attributes the table, heartbeat, board and
-    ring classes use from shm.Segment, and any write through it raises."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self._fd = os.open(os.path.join(shm.SHM_DIR, name), os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            self.size = os.fstat(self._fd).st_size
-            self._mmap = mmap.mmap(self._fd, self.size, prot=mmap.PROT_READ)
-        except BaseException:
-            os.close(self._fd)
-            raise
-        self.buf = memoryview(self._mmap)
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def close(self) -> None:
-        if self._fd < 0:
-            return
-        self.buf.release()
-        try:
-            self._mmap.close()
-        except BufferError:  # a view someone still holds; the mapping goes with it
-            pass
-        os.close(self._fd)
-        self._fd = -1
 
 
 class _NoSemaphore:
@@ -110,8 +79,8 @@ def read_run(prefix: str, run_id: str, pid: int) -> dict:
     ShmError or RingError if it stops, or has not made its objects yet, while it is read."""
     opened = []
 
-    def segment(what: str) -> _ReadOnlySegment:
-        seg = _ReadOnlySegment(shm.object_name(prefix, run_id, what))
+    def segment(what: str) -> shm.Segment:
+        seg = shm.Segment.attach(shm.object_name(prefix, run_id, what), readonly=True)
         opened.append(seg)
         return seg
 
