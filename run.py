@@ -137,10 +137,20 @@ def _receiver_main(bootstrap: str, conn, cfg: WorkerConfig) -> None:
             r.violations = []
 
 
-def _progress(results: dict, total: int, elapsed: float) -> None:
+def _hit_rate(stats: dict) -> tuple[float, float]:
+    """Cache hits per lookup, arena tier and host tier."""
+    cache = stats.get("cache") or {}
+    arena, host = cache.get("hits_arena", 0), cache.get("hits_host", 0)
+    lookups = max(1, arena + host + cache.get("misses", 0))
+    return arena / lookups, host / lookups
+
+
+def _progress(results: dict, total: int, images: int, elapsed: float, stats: dict) -> None:
     ok = sum(1 for r in results.values() if r[0] == "success")
+    arena, host = _hit_rate(stats)
     print(f"\r  rooms {len(results)}/{total}  ok {ok}  failed {len(results) - ok}  "
-          f"{len(results) / max(elapsed, 1e-9):6.1f} rooms/s", end="", file=sys.stderr, flush=True)
+          f"{images / max(elapsed, 1e-9):6.1f} images/s  cache hits {arena + host:4.0%} "
+          f"(arena {arena:.0%}, host {host:.0%})", end="", file=sys.stderr, flush=True)
 
 
 def _workload(patch_dim: int, merge: int):
@@ -193,6 +203,7 @@ def demo(cfg: WorkerConfig, mode: str) -> int:
               f"(hidden {spec.hidden}, {spec.dtype}), mode {mode}", flush=True)
         t0 = time.monotonic()
         end = t0 + 300
+        images_done, shown_at = 0, 0.0
         wave = 10  # in waves, so that later waves find earlier images in the cache
         for first in range(0, len(workload), wave):
             for n in range(first, min(first + wave, len(workload))):
@@ -209,7 +220,10 @@ def demo(cfg: WorkerConfig, mode: str) -> int:
                         continue
                     room, state, reason, digest = msg
                     results[room] = (state, reason, digest, time.monotonic() - sent_at[room])
-                    _progress(results, len(workload), time.monotonic() - t0)
+                    images_done += len(workload[room - 1])
+                    if time.monotonic() - shown_at > 0.25 or len(results) == len(workload):
+                        shown_at = time.monotonic()
+                        _progress(results, len(workload), images_done, shown_at - t0, worker.stats())
         elapsed = time.monotonic() - t0
         client.close()
         parent.send(None)
@@ -229,13 +243,11 @@ def demo(cfg: WorkerConfig, mode: str) -> int:
     lats = sorted(r[3] for r in results.values())
     ok = sum(1 for r in results.values() if r[0] == "success")
     images = sum(len(items) for items in workload)
-    cache = stats["cache"]
-    lookups = cache["hits_arena"] + cache["hits_host"] + cache["misses"]
+    arena, host = _hit_rate(stats)
     pct = lambda q: lats[min(len(lats) - 1, int(q * len(lats)))] * 1000 if lats else 0.0
     print(f"\nrooms: {ok} succeeded, {len(workload) - ok} failed or missing")
     print(f"images/s: {images / elapsed:.1f}   latency p50 {pct(0.5):.1f} ms  p99 {pct(0.99):.1f} ms")
-    print(f"cache hit rate: arena {cache['hits_arena'] / max(1, lookups):.0%}  "
-          f"host {cache['hits_host'] / max(1, lookups):.0%}  in-flight duplicates {stats['dedup_hits']}")
+    print(f"cache hit rate: arena {arena:.0%}  host {host:.0%}  in-flight duplicates {stats['dedup_hits']}")
     print(f"tower: {stats['tower_batches']} batches, {stats['tower_items']} items")
     if violations:
         print("protocol violations seen by the receiver:", *violations, sep="\n  ")
