@@ -26,6 +26,8 @@ from stages.cache import (
     make_key,
     split_entry,
 )
+from stages.hash_cache import CacheStage, HashCache
+from stages.records import OWNER_CACHE, OWNER_INTAKE, OWNER_TOWER, ReadyItem, WorkItem
 
 CACHE, CALLER, READER, HOG = 0, 1, 2, 3
 BLOCK = 64
@@ -475,3 +477,130 @@ def test_inflight_against_model(ops):
         assert len(inflight) == len(model)
         for kk in range(4):
             assert inflight.waiting(kk) == model.get(kk, [])
+
+
+# -- the cache stage: a failed room's item that identical items waited for ----------
+
+
+PIXELS = np.arange(16, dtype=np.float32).tobytes()  # the same image in every room below
+
+
+class CacheRig:
+    """A CacheStage on real arenas; the test plays intake, scheduler, tower and reaper."""
+
+    def __init__(self, prefix):
+        run_id = shm.new_run_id()
+        self.pixel_arena = Arena.create(prefix, run_id, "pixels", ARENA_SIZE, block_size=BLOCK)
+        self.emb_arena = Arena.create(prefix, run_id, "emb", ARENA_SIZE, block_size=BLOCK)
+        cache = EmbeddingCache(self.emb_arena, OWNER_CACHE, arena_budget=4096, host_budget=4096)
+        hc = HashCache(pixel_arena=self.pixel_arena, cache=cache, hidden=4, dtype="float32")
+        self.sent: list[tuple[str, object]] = []
+        self.stage = CacheStage(lambda dest, rec: self.sent.append((dest, rec)), hc, self.emb_arena)
+
+    def item(self, room: int) -> WorkItem:
+        """Intake hands over an item of `room` (pixels in our arena, intake's reference)."""
+        lease = self.pixel_arena.alloc(len(PIXELS), OWNER_INTAKE)
+        self.pixel_arena.view(lease)[:] = PIXELS
+        w = WorkItem(slot=room, room=room, item=0, seq=room, modality="image", grid_thw=[[1, 2, 2]],
+                     pixel_dtype="float32", n_patches=4, patch_dim=1, span=1, pixels=lease)
+        self.stage.handle("intake", w)
+        return w
+
+    def take(self, dest: str) -> list:
+        taken = [rec for d, rec in self.sent if d == dest]
+        self.sent = [(d, rec) for d, rec in self.sent if d != dest]
+        return taken
+
+    def into_tower(self, w: WorkItem) -> None:
+        """The scheduler and tower take `w`: its pixels leave the cache's hands."""
+        self.pixel_arena.transfer(w.pixels, OWNER_CACHE, OWNER_TOWER)
+
+    def encoded(self, w: WorkItem, fill: int) -> None:
+        """The tower wrote `w`'s rows (all bytes `fill`) and tells the cache."""
+        self.pixel_arena.drop(w.pixels, OWNER_TOWER)
+        w.pixels = None
+        w.out = self.emb_arena.alloc(16, OWNER_TOWER)
+        self.emb_arena.view(w.out)[:] = bytes([fill]) * 16
+        self.stage.handle("tower", ("encoded", w))
+
+    def tower_failed(self, w: WorkItem, rooms: set[int]) -> None:
+        self.pixel_arena.drop(w.pixels, OWNER_TOWER)
+        w.pixels = None
+        self.stage.handle("tower", ("failed", w, "tower failed: test", rooms))
+
+    def received(self, ready: list[ReadyItem]) -> list[tuple[int, bytes]]:
+        """The sender takes each ReadyItem over (and is done with it): (room, rows)."""
+        got = []
+        for r in ready:
+            got.append((r.room, bytes(self.emb_arena.view(r.lease))))
+            self.emb_arena.drop(r.lease, OWNER_CACHE)
+        return got
+
+    def check_no_leaks(self) -> None:
+        self.stage.close()  # lets go of the cached rows
+        assert self.pixel_arena.live_leases() == [], "pixels leaked"
+        assert self.emb_arena.live_leases() == [], "rows leaked"
+
+    def close(self) -> None:
+        for a in (self.pixel_arena, self.emb_arena):
+            a.close()
+            a.unlink()
+
+
+@pytest.fixture
+def rig(shm_prefix):
+    r = CacheRig(shm_prefix)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def test_failed_leader_room_sends_next_waiter_to_be_encoded(rig):
+    a = rig.item(1)
+    assert rig.take("scheduler") == [a]
+    rig.into_tower(a)
+    b = rig.item(2)
+    rig.item(3)
+    assert rig.sent == [], "identical items wait for the one in flight"
+
+    rig.stage.handle("reaper", ("forget_room", 1))  # the scheduler dropped a's queued batch
+    rig.pixel_arena.drop(a.pixels, OWNER_TOWER)
+    assert rig.take("scheduler") == [b], "the waiters must not wait for an encode that never comes"
+    assert rig.sent == []
+
+    rig.into_tower(b)
+    rig.encoded(b, fill=0xBB)
+    assert rig.received(rig.take("sender")) == [(3, b"\xbb" * 16)]
+    assert rig.sent == []
+    rig.check_no_leaks()
+
+
+@pytest.mark.parametrize("late", ["encoded_first", "encoded_last", "failed"])
+def test_late_result_of_replaced_item_sends_nothing_twice(rig, late):
+    """The failed room's item was in the tower already: its result still comes."""
+    a = rig.item(1)
+    rig.take("scheduler")
+    rig.into_tower(a)
+    b = rig.item(2)
+    rig.item(3)
+    rig.stage.handle("reaper", ("forget_room", 1))
+    assert rig.take("scheduler") == [b]
+    rig.into_tower(b)
+
+    if late == "encoded_first":
+        rig.encoded(a, fill=0xAA)
+        rig.encoded(b, fill=0xBB)
+        expected = [(3, b"\xaa" * 16)]  # c need not wait for b; b's own rows go from the tower
+    elif late == "encoded_last":
+        rig.encoded(b, fill=0xBB)
+        rig.encoded(a, fill=0xAA)
+        expected = [(3, b"\xbb" * 16)]
+    else:
+        rig.tower_failed(a, {1})
+        rig.encoded(b, fill=0xBB)
+        expected = [(3, b"\xbb" * 16)]
+    assert rig.received(rig.take("sender")) == expected, "each waiter gets exactly one ReadyItem"
+    assert rig.sent == [], "no second encode of b, no failure of a room that did not fail"
+    assert len(rig.stage.hc.inflight) == 0
+    rig.check_no_leaks()

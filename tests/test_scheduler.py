@@ -5,7 +5,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stages.scheduler import Pending, Scheduler
+from ipc import shm
+from ipc.arena import Arena
+from stages.records import OWNER_CACHE, OWNER_SCHEDULER, WorkItem
+from stages.scheduler import Pending, Scheduler, SchedulerStage
 
 budgets = st.tuples(st.integers(1, 64), st.integers(1, 8))
 
@@ -211,3 +214,64 @@ def test_invalid_budgets_refused(tokens, items):
 def test_negative_span_refused():
     with pytest.raises(ValueError):
         Scheduler(4, 4).add(Pending(0, 0, 0, -1))
+
+
+# -- the scheduler stage: credits ------------------------------------------------------
+
+
+@pytest.fixture
+def arenas(shm_prefix):
+    run_id = shm.new_run_id()
+    pixels = Arena.create(shm_prefix, run_id, "pixels", 64 * 1024, block_size=64)
+    emb = Arena.create(shm_prefix, run_id, "emb", 64 * 1024, block_size=64)
+    try:
+        yield pixels, emb
+    finally:
+        for a in (pixels, emb):
+            a.close()
+            a.unlink()
+
+
+def test_restarted_tower_gives_credits_back_and_late_credits_stay_capped(arenas):
+    pixel_arena, emb_arena = arenas
+    depth = 2
+    batches = []
+
+    def emit(dest, rec):
+        assert dest == "tower", f"unexpected record to {dest}: {rec!r}"
+        batches.append(rec)
+
+    stage = SchedulerStage(emit, Scheduler(max_tokens_per_batch=100, max_items_per_batch=1),
+                           pixel_arena=pixel_arena, emb_arena=emb_arena, entry_bytes=lambda span: 64 * span,
+                           owner=OWNER_SCHEDULER, prev_owner=OWNER_CACHE, custody=None, depth=depth)
+
+    def flowed() -> int:
+        stage.tick(0.0)
+        n = len(batches)
+        for batch in batches:  # the tower's part: done with them
+            for w in batch:
+                pixel_arena.drop(w.pixels, OWNER_SCHEDULER)
+                emb_arena.drop(w.out, OWNER_SCHEDULER)
+        batches.clear()
+        return n
+
+    for i in range(8):  # eight one-item batches of room 1 from the cache
+        stage.handle("cache", WorkItem(slot=0, room=1, item=i, seq=i, modality="image", grid_thw=[[1, 1, 1]],
+                                       pixel_dtype="float32", n_patches=1, patch_dim=1, span=1,
+                                       pixels=pixel_arena.alloc(4, OWNER_CACHE)))
+    assert flowed() == depth
+    assert flowed() == 0, "no credits: both batches are out"
+    stage.handle("tower", ("restarted",))  # both batches died with the old tower
+    assert flowed() == depth, "a restarted tower holds no batch: all credits are back"
+
+    # Both out again; the tower restarts once more, but it had finished them just before
+    # it died: their credits arrive after the reset.
+    stage.handle("tower", ("restarted",))
+    for _ in range(depth):
+        stage.handle("tower", ("credit",))
+    assert stage.credits == depth
+    assert flowed() == depth, "never more than depth batches out"
+
+    stage.handle("reaper", ("remove_room", 1))  # drops what is still queued
+    assert len(stage.scheduler) == 0
+    assert pixel_arena.live_leases() == [] and emb_arena.live_leases() == [], "leases leaked"

@@ -1,0 +1,94 @@
+"""The reaper: what each receiver hears when a room concludes."""
+from __future__ import annotations
+
+import pytest
+
+from ipc import shm
+from ipc.rooms import RoomState, RoomTable
+from pipeline import protocol
+from stages.reaper import ReaperStage
+from stages.records import OWNER_INTAKE, RoomOpened
+
+ROOM, RECEIVER = 7, "prefill-0"
+
+
+class RecordingPusher:
+    """Stands in for StatusPusher: keeps each status, decoded, in the order sent."""
+
+    def __init__(self):
+        self.sent: list[tuple[str, dict]] = []
+        self.undelivered = 0
+
+    def register(self, receiver: str, endpoint: str) -> None:
+        pass
+
+    def send(self, receiver: str, frame: bytes) -> None:
+        self.sent.append((receiver, protocol.decode(frame)))
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def rooms(shm_prefix):
+    table = RoomTable.create(shm_prefix, shm.new_run_id(), "rooms", 16)
+    try:
+        yield table
+    finally:
+        table.close()
+        table.unlink()
+
+
+@pytest.fixture
+def reaper(rooms):
+    """A reaper with a room of two items open; (stage, pusher, slot, what it emitted)."""
+    pusher = RecordingPusher()
+    emitted = []
+    stage = ReaperStage(lambda dest, rec: emitted.append((dest, rec)), rooms=rooms, pusher=pusher,
+                        tombstone_ttl_s=60.0, max_tombstones=16)
+    slot = rooms.insert(ROOM, "req-7", 2, OWNER_INTAKE)
+    stage.handle("intake", RoomOpened(slot, ROOM, "req-7", [4, 4], 0.0))
+    stage.handle("sender", ("alloc_seen", ROOM, RECEIVER))
+    yield stage, pusher, slot, emitted
+    stage.close()
+
+
+def states(pusher) -> list[tuple[int | None, str]]:
+    return [(msg["item"], msg["state"]) for _, msg in pusher.sent]
+
+
+def finish_item(stage, slot: int, item: int) -> None:
+    stage.handle("sender", ("success", ROOM, item, RECEIVER))
+    stage.handle("sender", ("item_done", slot, ROOM, item))
+
+
+def cancel_at_sender(stage, slot: int) -> None:
+    """What the sender reports when a cancel for a room it holds arrives."""
+    stage.handle("sender", ("fail", slot, ROOM, "canceled"))
+    stage.handle("sender", ("fenced", ROOM, [RECEIVER]))
+
+
+def test_cancel_just_after_success_sends_nothing(reaper, rooms):
+    stage, pusher, slot, emitted = reaper
+    finish_item(stage, slot, 0)
+    finish_item(stage, slot, 1)
+    assert rooms.get(slot).state == RoomState.SUCCESS
+    assert emitted == [("sender", ("forget", ROOM))]
+
+    cancel_at_sender(stage, slot)  # it crossed the last item's success on the way
+    assert states(pusher) == [(0, "success"), (1, "success")], "no `failed` after the successes"
+    assert emitted == [("sender", ("forget", ROOM))], "no fence, no forget_room for a room that succeeded"
+    assert stage.reaper.outcomes == {"success": 1}
+    assert rooms.get(slot).state == RoomState.SUCCESS
+
+
+def test_cancel_before_the_last_success_fails_the_room(reaper, rooms):
+    """The same events one item earlier: the receiver does hear `failed`."""
+    stage, pusher, slot, emitted = reaper
+    finish_item(stage, slot, 0)
+    cancel_at_sender(stage, slot)
+    assert states(pusher) == [(0, "success"), (None, "failed")]
+    assert pusher.sent[-1][1]["reason"] == "canceled"
+    assert rooms.get(slot).state == RoomState.FAILED
+    assert ("sender", ("fence", ROOM)) in emitted
+    assert stage.reaper.outcomes == {"failed": 1}
