@@ -90,7 +90,8 @@ class IntakeJournal:
         if room is None and not names:
             buf[:4] = b"\0\0\0\0"
             return
-        data = "\n".join([str(room if room is not None else "")] + names).encode()[: self.SIZE - 4]
+        # NUL separates: a segment name cannot hold one (a newline it may)
+        data = "\0".join([str(room if room is not None else "")] + names).encode()[: self.SIZE - 4]
         buf[4:4 + len(data)] = data
         buf[:4] = len(data).to_bytes(4, "little")  # last: the names are whole when the length is set
 
@@ -99,7 +100,7 @@ class IntakeJournal:
         n = int.from_bytes(self.seg.buf[:4], "little")
         if not n:
             return None, []
-        room, *names = bytes(self.seg.buf[4:4 + n]).decode(errors="replace").split("\n")
+        room, *names = bytes(self.seg.buf[4:4 + n]).decode(errors="replace").split("\0")
         return (int(room) if room.isdigit() else None), names
 
     def close(self) -> None:

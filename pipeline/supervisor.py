@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import stat
 import threading
 import time
 from collections import deque
@@ -227,18 +228,21 @@ class Supervisor:
         self.pending_restart[name] = now + 2.0
 
     def _unlink_journal(self) -> int | None:
-        """Unlink the segments of the frame intake died with; return its room."""
-        from stages.intake import Intake
+        """Unlink the segments of the frame intake died with; return its room. By the
+        rules intake takes them by: a name under the prefix, a regular file of ours."""
+        from stages.intake import segment_name_problem
 
-        checker = Intake.__new__(Intake)
-        checker.prefix = self.cfg.shm_prefix
         room, names = self.journal.read()
         for name in names:
-            if name and Intake.segment_name_problem(checker, name) is None:
-                try:
-                    os.unlink(os.path.join(shm.SHM_DIR, name[1:]))
-                except FileNotFoundError:
-                    pass
+            if not name or segment_name_problem(self.cfg.shm_prefix, name) is not None:
+                continue
+            path = os.path.join(shm.SHM_DIR, name[1:])
+            try:
+                st = os.lstat(path)
+                if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                    os.unlink(path)
+            except FileNotFoundError:
+                pass
         self.journal.record(None, [])
         return room
 

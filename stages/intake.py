@@ -59,6 +59,20 @@ class IntakeResult:
     stalled: bool = False   # the pixel arena is full: hand the same frame back later
 
 
+def segment_name_problem(prefix: str, name: str) -> str | None:
+    """Why the worker will not open `name`, or None if it is a client segment it may take."""
+    if len(name) > 255:
+        return f"segment name {name[:80]!r}... is {len(name)} characters, longer than 255"
+    if not name.startswith("/" + prefix):
+        return f"segment {name[:80]!r} is outside the worker's shm prefix '/{prefix}'"
+    rest = name[1:]
+    if "/" in rest or "\0" in rest or rest in (".", ".."):
+        return f"segment name {name[:80]!r} may not contain '/' or NUL"
+    if rest.startswith("sem.") or shm.parse_name(rest) is not None:
+        return f"segment {name[:80]!r} names one of the worker's own objects"
+    return None
+
+
 class Intake:
     def __init__(self, *, prefix: str, run_id: str, pixel_arena: Arena, rooms: RoomTable,
                  patch_dim: int, merge: int, max_items_per_request: int,
@@ -94,17 +108,7 @@ class Intake:
             log.warning(text)
 
     def segment_name_problem(self, name: str) -> str | None:
-        """Why the worker will not open `name`, or None if it is a client segment it may take."""
-        if len(name) > 255:
-            return f"segment name {name[:80]!r}... is {len(name)} characters, longer than 255"
-        if not name.startswith("/" + self.prefix):
-            return f"segment {name[:80]!r} is outside the worker's shm prefix '/{self.prefix}'"
-        rest = name[1:]
-        if "/" in rest or "\0" in rest or rest in (".", ".."):
-            return f"segment name {name[:80]!r} may not contain '/' or NUL"
-        if rest.startswith("sem.") or shm.parse_name(rest) is not None:
-            return f"segment {name[:80]!r} names one of the worker's own objects"
-        return None
+        return segment_name_problem(self.prefix, name)
 
     def _take_segments(self, msg: dict) -> dict[str, int | str]:
         """Open and unlink every acceptable segment the message names: name -> fd, or a reason."""
