@@ -337,6 +337,7 @@ class StageHost:
                 for raw in recs:
                     stage.handle(src, pickle.loads(raw))
                 self._push_outputs()
+                stage.pushed()
                 ring.release(end)
                 self.custody.flush()
             if self.socket_frames is not None:
@@ -361,6 +362,7 @@ class StageHost:
                         break
             stage.tick(time.monotonic())
             self._push_outputs()
+            stage.pushed()
             self.custody.flush()
             if worked:
                 continue
@@ -372,6 +374,7 @@ class StageHost:
         for raw in recs:
             self.stage.handle(src, pickle.loads(raw))
             self._push_outputs()
+            self.stage.pushed()
             ring.release(ring.tail + RECORD_HEADER + len(raw))
             self.custody.flush()
 

@@ -123,6 +123,7 @@ class Worker:
         now = time.monotonic()
         for stage in self.stages.values():
             stage.tick(now)
+            stage.pushed()
             self._dispatch()
         if self.metrics is not None and now - self._published_at > 0.05:
             # The endpoint's thread reads copies: the stages' own counters change under this loop.
@@ -138,6 +139,7 @@ class Worker:
             except zmq.Again:
                 return
             stage.handle("socket", frame)
+            stage.pushed()
             self._dispatch()
 
     def _dispatch(self) -> None:
@@ -145,6 +147,7 @@ class Worker:
         while queue:
             dest, source, rec = queue.popleft()
             stages[dest].handle(source, rec)
+            stages[dest].pushed()  # emitted records are in the queue
 
     def on_conclusions(self, conclusions: list) -> None:
         """Hook for callers that watch rooms conclude (the demo, tests)."""
@@ -180,6 +183,7 @@ class Worker:
         for e in self.rooms.entries():
             if e.state < RoomState.SUCCESS:
                 self.stages["reaper"].handle("intake", RoomFailure(e.slot, e.room, "worker shutting down"))
+                self.stages["reaper"].pushed()
                 self._dispatch()
         end = time.monotonic() + 30
         while time.monotonic() < end and (self.queue or self.sender.busy()):

@@ -96,6 +96,9 @@ class Stage:
         """True while the stage has work that needs `tick` soon (writes, tower jobs)."""
         return False
 
+    def pushed(self) -> None:
+        """What `handle` or `tick` emitted is in the next stages' rings (or queue) now."""
+
     def stats(self) -> dict:
         """Counters, merged with the other stages' into the worker's stats."""
         return {}

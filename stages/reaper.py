@@ -94,14 +94,16 @@ class _Told:
 
 
 class Reaper:
-    def __init__(self, *, rooms: RoomTable, pusher: StatusPusher, fence, forget,
+    def __init__(self, *, rooms: RoomTable, pusher: StatusPusher, fence, forget, abandon,
                  tombstone_ttl_s: float, max_tombstones: int):
         """`fence(room)` asks the sender to stop the room (it answers with a `fenced`
-        event); `forget(room)` tells it the room succeeded."""
+        event); `forget(room)` tells it the room succeeded; `abandon(room)` tells the
+        stages that hold items waiting (cache, scheduler) to drop the room's."""
         self.rooms = rooms
         self.pusher = pusher
         self.fence = fence
         self.forget = forget
+        self.abandon = abandon
         self.tombstone_ttl_s = tombstone_ttl_s
         self.max_tombstones = max_tombstones
         self.told: dict[int, _Told] = {}
@@ -114,6 +116,7 @@ class Reaper:
         self.concluded_by_reason = Counter()  # (outcome, reason class) -> rooms
         self.latency = Histogram()            # room opened to concluded, seconds
         self.conclusions: list[tuple[int, str, str]] = []  # (room, "success"|"failed", reason), for callers
+        self.to_mark: list[tuple[int, int, str]] = []  # (slot, room, reason): fenced, not yet Failed in the table
 
     # ------------------------------------------------------------ inputs
     def on_opened(self, o: RoomOpened) -> None:
@@ -158,6 +161,10 @@ class Reaper:
                     # A cancel (or a failure) that reached the sender after the room had
                     # succeeded: every receiver has its successes, there is nothing to tell.
                     return
+                if entry is not None and entry.state < RoomState.SUCCESS:
+                    # The answer to a predecessor's fence, for a room it died before marking
+                    # Failed: the record it died with comes again and fences it again.
+                    return
                 reason = entry.reason if entry else "room failed"
             told = self.told.get(room, _Told())
             to = set(receivers) | told.known
@@ -192,7 +199,12 @@ class Reaper:
             raise ValueError(f"unknown event {kind!r}")
 
     def fail(self, f: RoomFailure) -> None:
-        """Conclude a room Failed (first conclusion wins), then fence it at the sender."""
+        """Fail a live room (first conclusion wins): fence it at the sender and tell the
+        cache and scheduler; `mark_failed()` concludes it in the room table once those
+        orders are pushed. In that order a reaper that dies between the two leaves a live
+        room, whose record its successor handles again and fences again (harmless); the
+        other way round the successor would meet a Failed room, do nothing, and nobody
+        would ever tell its receivers."""
         slot = f.slot
         if slot is None:
             slot = self.rooms.find(f.room)
@@ -203,11 +215,21 @@ class Reaper:
                     log.error("room failed but the room table is full: room=%d reason=%s", f.room, f.reason)
                     self.fence(f.room)
                     return
-        if not self.rooms.fail(slot, f.room, f.reason):
+        entry = self.rooms.get(slot)
+        if (entry is None or entry.room != f.room or entry.state >= RoomState.SUCCESS
+                or f.room in self.reasons):
             return
         self.reasons[f.room] = f.reason
-        self._concluded(f.room, slot, "failed", f.reason)
+        self.to_mark.append((slot, f.room, f.reason))
         self.fence(f.room)
+        self.abandon(f.room)
+
+    def mark_failed(self) -> None:
+        """Conclude in the room table the rooms fail() fenced, now that its orders are out."""
+        to_mark, self.to_mark = self.to_mark, []
+        for slot, room, reason in to_mark:
+            if self.rooms.fail(slot, room, reason):
+                self._concluded(room, slot, "failed", reason)
 
     # ------------------------------------------------------------ time
     def tick(self, now: float | None = None) -> None:
@@ -267,6 +289,7 @@ class ReaperStage(Stage):
         self.reaper = Reaper(rooms=rooms, pusher=pusher,
                              fence=lambda room: self.emit("sender", ("fence", room)),
                              forget=lambda room: self.emit("sender", ("forget", room)),
+                             abandon=self._abandon,
                              tombstone_ttl_s=tombstone_ttl_s, max_tombstones=max_tombstones)
         self.on_conclusion = None  # a hook for hosts that watch rooms conclude
 
@@ -314,13 +337,17 @@ class ReaperStage(Stage):
         self.reaper.tick(now)
         self._after()
 
+    def pushed(self) -> None:
+        self.reaper.mark_failed()
+        self._after()
+
+    def _abandon(self, room: int) -> None:
+        self.emit("cache", ("forget_room", room))
+        self.emit("scheduler", ("remove_room", room))
+
     def _after(self) -> None:
         r = self.reaper
         if r.conclusions:
-            for room, outcome, _ in r.conclusions:
-                if outcome == "failed":
-                    self.emit("cache", ("forget_room", room))
-                    self.emit("scheduler", ("remove_room", room))
             if self.on_conclusion is not None:
                 self.on_conclusion(r.conclusions)
             r.conclusions = []

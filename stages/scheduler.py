@@ -28,6 +28,8 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from stages.base import Stage
+
 
 @dataclass(frozen=True, order=True)
 class Pending:
@@ -132,7 +134,7 @@ class Scheduler:
         return bool(self._heap)
 
 
-class SchedulerStage:
+class SchedulerStage(Stage):
     """Misses from the cache in; batches to the tower, at most `depth` outstanding.
 
     The tower hands a credit back for every batch it finishes, so batches wait here

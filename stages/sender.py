@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from ipc.arena import Arena, StaleLease
@@ -63,6 +63,7 @@ class _RoomTx:
 
 
 MAX_RECEIVERS = 4096  # prefill ranks one worker serves: a deployment has far fewer
+MAX_FENCED_UNOPENED = 65536  # a RoomOpened trails its fence by a ring's length at most
 
 
 class Sender:
@@ -81,6 +82,9 @@ class Sender:
         self.live: dict[int, _RoomTx] = {}
         self.held: dict[int, list[tuple[float, Alloc]]] = {}  # allocs for rooms not opened here yet
         self.early: dict[int, list[ReadyItem]] = {}  # items that overtook their room's RoomOpened
+        # Rooms fenced before their RoomOpened came: the reaper fences before the room
+        # table says Failed, so on_opened cannot rely on the table alone.
+        self.fenced_unopened: OrderedDict[int, float] = OrderedDict()  # room -> when fenced
         self.n_held = 0
         self.events: list[tuple] = []
         self.dropped = Counter()
@@ -118,7 +122,10 @@ class Sender:
 
     def on_opened(self, opened: RoomOpened) -> None:
         entry = self.rooms.get(opened.slot)
-        if entry is None or entry.room != opened.room or entry.state >= RoomState.SUCCESS:
+        fenced_at = self.fenced_unopened.pop(opened.room, None)
+        # (a room id may come back after its tombstone expired: a fence older than the room is not its)
+        fenced = fenced_at is not None and entry is not None and entry.created <= fenced_at
+        if fenced or entry is None or entry.room != opened.room or entry.state >= RoomState.SUCCESS:
             # Concluded before it reached us (failed elsewhere): answer what was held.
             for _, a in self.held.pop(opened.room, []):
                 self.events.append(("late_alloc", opened.room, a.receiver))
@@ -364,6 +371,9 @@ class Sender:
         """Stop the room: no new write starts; once none is in flight, report `fenced`."""
         tx = self.live.get(room)
         if tx is None:
+            self.fenced_unopened[room] = time.monotonic()
+            if len(self.fenced_unopened) > MAX_FENCED_UNOPENED:
+                self.fenced_unopened.popitem(last=False)
             receivers = sorted({a.receiver for _, a in self.held.pop(room, [])})
             for r in self.early.pop(room, []):
                 self._release(r)

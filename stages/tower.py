@@ -42,6 +42,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from stages.base import Stage
+
 import numpy as np
 import xxhash
 
@@ -883,7 +885,7 @@ def build_tower(name: str, **settings: Any) -> Tower:
 # ----------------------------------------------------------------------------- the stage
 
 
-class TowerStage:
+class TowerStage(Stage):
     """Batches from the scheduler in; each item's rows to the sender and the cache, a credit back.
 
     Jobs start as batches arrive (an asynchronous device queues them); results go

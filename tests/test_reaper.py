@@ -7,7 +7,7 @@ from ipc import shm
 from ipc.rooms import RoomState, RoomTable
 from pipeline import protocol
 from stages.reaper import ReaperStage
-from stages.records import OWNER_INTAKE, RoomOpened
+from stages.records import OWNER_INTAKE, RoomFailure, RoomOpened
 
 ROOM, RECEIVER = 7, "prefill-0"
 
@@ -47,10 +47,16 @@ def reaper(rooms):
     stage = ReaperStage(lambda dest, rec: emitted.append((dest, rec)), rooms=rooms, pusher=pusher,
                         tombstone_ttl_s=60.0, max_tombstones=16)
     slot = rooms.insert(ROOM, "req-7", 2, OWNER_INTAKE)
-    stage.handle("intake", RoomOpened(slot, ROOM, "req-7", [4, 4], 0.0))
-    stage.handle("sender", ("alloc_seen", ROOM, RECEIVER))
+    feed(stage, "intake", RoomOpened(slot, ROOM, "req-7", [4, 4], 0.0))
+    feed(stage, "sender", ("alloc_seen", ROOM, RECEIVER))
     yield stage, pusher, slot, emitted
     stage.close()
+
+
+def feed(stage, source: str, rec) -> None:
+    """What a host does with one record: hand it over, push what it emitted, say so."""
+    stage.handle(source, rec)
+    stage.pushed()
 
 
 def states(pusher) -> list[tuple[int | None, str]]:
@@ -58,14 +64,14 @@ def states(pusher) -> list[tuple[int | None, str]]:
 
 
 def finish_item(stage, slot: int, item: int) -> None:
-    stage.handle("sender", ("success", ROOM, item, RECEIVER))
-    stage.handle("sender", ("item_done", slot, ROOM, item))
+    feed(stage, "sender", ("success", ROOM, item, RECEIVER))
+    feed(stage, "sender", ("item_done", slot, ROOM, item))
 
 
 def cancel_at_sender(stage, slot: int) -> None:
     """What the sender reports when a cancel for a room it holds arrives."""
-    stage.handle("sender", ("fail", slot, ROOM, "canceled"))
-    stage.handle("sender", ("fenced", ROOM, [RECEIVER]))
+    feed(stage, "sender", ("fail", slot, ROOM, "canceled"))
+    feed(stage, "sender", ("fenced", ROOM, [RECEIVER]))
 
 
 def test_cancel_just_after_success_sends_nothing(reaper, rooms):
@@ -92,3 +98,43 @@ def test_cancel_before_the_last_success_fails_the_room(reaper, rooms):
     assert rooms.get(slot).state == RoomState.FAILED
     assert ("sender", ("fence", ROOM)) in emitted
     assert stage.reaper.outcomes == {"failed": 1}
+
+
+def successor(rooms):
+    """A restarted reaper on the same room table, as the stage host builds one."""
+    pusher, emitted = RecordingPusher(), []
+    stage = ReaperStage(lambda dest, rec: emitted.append((dest, rec)), rooms=rooms, pusher=pusher,
+                        tombstone_ttl_s=60.0, max_tombstones=16)
+    stage.recover()
+    return stage, pusher, emitted
+
+
+@pytest.mark.parametrize("died", ["before its orders were pushed", "after its orders were pushed",
+                                  "after the room table said Failed"])
+def test_a_reaper_killed_while_failing_a_room_leaves_its_successor_to_tell_the_receivers(reaper, rooms, died):
+    """The record a reaper dies with comes again to its successor (it is released only
+    after what it caused is pushed). Wherever the predecessor died, the receivers hear
+    `failed` exactly once, and the cache and scheduler are told to drop the room."""
+    stage, pusher, slot, _ = reaper
+    failure = RoomFailure(slot, ROOM, "pixels were lost before hashing (intake died)")
+    stage.handle("cache", failure)
+    fence_out = died != "before its orders were pushed"  # else what it emitted died with it
+    if died == "after the room table said Failed":
+        stage.pushed()
+        assert rooms.get(slot).state == RoomState.FAILED
+    else:
+        assert rooms.get(slot).live, "the table says Failed only once the fence is out"
+
+    nxt, heard, emitted = successor(rooms)
+    if fence_out:  # the sender's answer to the predecessor's fence may come first
+        feed(nxt, "sender", ("fenced", ROOM, [RECEIVER]))
+    feed(nxt, "cache", failure)  # the same record again
+    if died != "after the room table said Failed":
+        assert ("sender", ("fence", ROOM)) in emitted
+        assert ("cache", ("forget_room", ROOM)) in emitted and ("scheduler", ("remove_room", ROOM)) in emitted
+        feed(nxt, "sender", ("fenced", ROOM, [RECEIVER]))  # the answer to the successor's fence
+    assert rooms.get(slot).state == RoomState.FAILED
+    assert states(heard) == [(None, "failed")], heard.sent
+    assert heard.sent[0][1]["reason"] == failure.reason
+    assert pusher.sent == []  # the predecessor told nobody
+    nxt.close()
