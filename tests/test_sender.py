@@ -1,0 +1,54 @@
+"""The sender's bookkeeping of rooms it is told to fence before it has seen them open."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ipc import shm
+from ipc.arena import Arena
+from ipc.rooms import RoomTable
+from stages.records import OWNER_INTAKE, RoomOpened
+from stages.sender import Sender
+
+ROOM = 11
+
+
+@pytest.fixture
+def sender(shm_prefix):
+    run_id = shm.new_run_id()
+    arena = Arena.create(shm_prefix, run_id, "emb", 64 * 1024, block_size=64)
+    rooms = RoomTable.create(shm_prefix, run_id, "rooms", 16)
+    # No write is started here, so no transfer engine is needed.
+    s = Sender(arena=arena, engine=None, rooms=rooms, hidden=8, dtype="bfloat16", deepstack_width=0,
+               bootstrap_timeout_s=60.0, max_held_allocs=16)
+    try:
+        yield s, rooms
+    finally:
+        rooms.close()
+        rooms.unlink()
+        arena.close()
+        arena.unlink()
+
+
+def test_a_room_fenced_before_its_room_opened_is_not_opened_when_it_comes(sender):
+    """The reaper fences a failed room before the room table says Failed, and the
+    RoomOpened comes on another ring: the table may still say live when it arrives."""
+    s, rooms = sender
+    slot = rooms.insert(ROOM, "req", 1, OWNER_INTAKE)
+    s.fence(ROOM)
+    assert s.events == [("fenced", ROOM, [])]
+    s.on_opened(RoomOpened(slot, ROOM, "req", [4], 0.0))
+    assert rooms.get(slot).live, "the table alone would have let it open"
+    assert ROOM not in s.live
+
+
+def test_a_room_id_used_again_after_an_old_fence_opens(sender):
+    """A room id may come back once its tombstone expired: a fence older than the room
+    is not the new room's."""
+    s, rooms = sender
+    s.fence(ROOM)  # a room of that id, long gone
+    time.sleep(0.01)
+    slot = rooms.insert(ROOM, "req-again", 1, OWNER_INTAKE)
+    s.on_opened(RoomOpened(slot, ROOM, "req-again", [4], 0.0))
+    assert ROOM in s.live
