@@ -483,8 +483,10 @@ class RoomTable:
 
         return bool(self._update(slot, room, change))
 
-    def item_done(self, slot: int, room: int) -> int:
-        """Count one more item done; return the count (-1 if ``slot`` no longer holds ``room``).
+    def item_done(self, slot: int, room: int, done_so_far: int | None = None) -> int:
+        """Count one more item done, or with ``done_so_far`` raise the count to it (a report
+        repeated by a writer that died before it knew the first was taken then changes
+        nothing); return the count (-1 if ``slot`` no longer holds ``room``).
 
         A concluded room is final: its count is returned unchanged.
         """
@@ -493,8 +495,11 @@ class RoomTable:
         def change(f):
             if f[_STATE] >= RoomState.SUCCESS or f[_DONE] >= _U32_MAX:
                 return f[_DONE]
-            f[_DONE] += 1
-            done.append(f[_DONE])
+            new = f[_DONE] + 1 if done_so_far is None else min(max(f[_DONE], done_so_far), _U32_MAX)
+            if new == f[_DONE]:
+                return new
+            f[_DONE] = new
+            done.append(new)
             return f
 
         r = self._update(slot, room, change)

@@ -142,8 +142,10 @@ class Reaper:
             told.success.setdefault(receiver, set()).add(item)
             self.pusher.send(receiver, protocol.status_message(room, item, True))
         elif kind == "item_done":
-            _, slot, room, item = ev
-            done = self.rooms.item_done(slot, room)
+            # The count so far, not "one more": a successor handed the record its
+            # predecessor died with must not count the item twice (and end the room early).
+            _, slot, room, item, done_so_far = ev
+            done = self.rooms.item_done(slot, room, done_so_far)
             entry = self.rooms.get(slot)
             if entry is not None and entry.room == room and done >= entry.items_total:
                 if self.rooms.succeed(slot, room):

@@ -7,7 +7,8 @@ so that one place decides what each receiver is told, exactly once.
 Events (tuples) to the reaper:
   ("register", Register)                       a receiver (re)registered
   ("success", room, item, receiver)            that receiver's rows of the item are written
-  ("item_done", slot, room, item)              every shard of the item is written
+  ("item_done", slot, room, item, done)        every shard of the item is written; `done` items
+                                               of the room are, in all
   ("fail", slot, room, reason)                 the room cannot succeed (slot None: not opened)
   ("fenced", room, [receivers])                no write for the room is in flight or can start
   ("late_alloc", room, receiver)               alloc for a room that is already concluded
@@ -60,6 +61,7 @@ class _RoomTx:
     receivers: set[str] = field(default_factory=set)
     failing: bool = False
     writes: list[_Write] = field(default_factory=list)
+    done: int = 0  # items written to every receiver
 
 
 MAX_RECEIVERS = 4096  # prefill ranks one worker serves: a deployment has far fewer
@@ -292,7 +294,8 @@ class Sender:
         it = tx.items[item]
         self._release(it.ready)
         it.ready = None
-        self.events.append(("item_done", tx.slot, room, item))
+        tx.done += 1
+        self.events.append(("item_done", tx.slot, room, item, tx.done))
 
     def poll(self, now: float | None = None) -> None:
         """Collect finished writes; time out what waited too long for its allocs."""

@@ -65,7 +65,7 @@ def states(pusher) -> list[tuple[int | None, str]]:
 
 def finish_item(stage, slot: int, item: int) -> None:
     feed(stage, "sender", ("success", ROOM, item, RECEIVER))
-    feed(stage, "sender", ("item_done", slot, ROOM, item))
+    feed(stage, "sender", ("item_done", slot, ROOM, item, item + 1))  # items done so far
 
 
 def cancel_at_sender(stage, slot: int) -> None:
@@ -137,4 +137,21 @@ def test_a_reaper_killed_while_failing_a_room_leaves_its_successor_to_tell_the_r
     assert states(heard) == [(None, "failed")], heard.sent
     assert heard.sent[0][1]["reason"] == failure.reason
     assert pusher.sent == []  # the predecessor told nobody
+    nxt.close()
+
+
+def test_an_item_done_handled_again_by_a_successor_does_not_end_the_room_early(reaper, rooms):
+    """A reaper killed after counting an item but before releasing the record: its
+    successor gets the same record. Counted as "one more", the room would have
+    succeeded with its second item still unwritten."""
+    stage, pusher, slot, _ = reaper
+    finish_item(stage, slot, 0)
+    nxt, heard, emitted = successor(rooms)
+    feed(nxt, "sender", ("item_done", slot, ROOM, 0, 1))  # the same record again
+    assert rooms.get(slot).live and rooms.get(slot).items_done == 1
+    assert ("sender", ("forget", ROOM)) not in emitted
+    feed(nxt, "sender", ("success", ROOM, 1, RECEIVER))
+    feed(nxt, "sender", ("item_done", slot, ROOM, 1, 2))
+    assert rooms.get(slot).state == RoomState.SUCCESS
+    assert ("sender", ("forget", ROOM)) in emitted
     nxt.close()

@@ -59,12 +59,16 @@ def test_lifecycle_and_attach(make_table, shm_prefix):
         assert not t.advance(slot, 2**63 - 1, S.ENCODING)  # not forward either
         assert not t.advance(slot, 12, S.TRANSFERRING)  # not this room
         assert t.item_done(slot, 2**63 - 1) == 1 and t.item_done(slot, 12) == -1
+        # "done so far" reports: a repeated (or older) one changes nothing
+        assert t.item_done(slot, 2**63 - 1, 1) == 1 and t.item_done(slot, 2**63 - 1, 3) == 3
+        assert t.item_done(slot, 2**63 - 1, 3) == 3 and t.item_done(slot, 2**63 - 1, 2) == 3
+        assert other.get(slot).items_done == 3
         assert [x.slot for x in other.owned_by(4)] == [slot] and other.owned_by(1) == []
         assert not t.free(slot, 2**63 - 1)  # live: not yet
         assert t.fail(slot, 2**63 - 1, "tower died")
         assert not t.fail(slot, 2**63 - 1, "again") and not t.succeed(slot, 2**63 - 1)
         assert not t.advance(slot, 2**63 - 1, S.FAILED) and not t.set_owner(slot, 2**63 - 1, 2)
-        assert t.item_done(slot, 2**63 - 1) == 1  # final: unchanged
+        assert t.item_done(slot, 2**63 - 1) == 3  # final: unchanged
         e = other.get(slot)
         assert e.state == S.FAILED and e.reason == "tower died" and e.concluded >= e.created
         assert other.owned_by(4) == [] and other.entries() == [e]
