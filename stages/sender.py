@@ -124,9 +124,7 @@ class Sender:
 
     def on_opened(self, opened: RoomOpened) -> None:
         entry = self.rooms.get(opened.slot)
-        fenced_at = self.fenced_unopened.pop(opened.room, None)
-        # (a room id may come back after its tombstone expired: a fence older than the room is not its)
-        fenced = fenced_at is not None and entry is not None and entry.created <= fenced_at
+        fenced = self._fenced_unopened(opened.room, entry, pop=True)
         if fenced or entry is None or entry.room != opened.room or entry.state >= RoomState.SUCCESS:
             # Concluded before it reached us (failed elsewhere): answer what was held.
             for _, a in self.held.pop(opened.room, []):
@@ -179,7 +177,8 @@ class Sender:
         if tx is None:
             slot = self.rooms.find(a.room)
             entry = self.rooms.get(slot) if slot is not None else None
-            if entry is not None and entry.state in (RoomState.SUCCESS, RoomState.FAILED):
+            if (entry is not None and entry.state in (RoomState.SUCCESS, RoomState.FAILED)
+                    or self._fenced_unopened(a.room, entry, pop=False)):
                 self.events.append(("late_alloc", a.room, a.receiver))
                 return
             if self.n_held >= self.max_held_allocs:
@@ -289,6 +288,12 @@ class Sender:
             self.bytes_written += sum(lens)
         if not it.writes_left:
             self._item_done(room, tx, item)
+
+    def _fenced_unopened(self, room: int, entry, pop: bool) -> bool:
+        """Was `room` fenced before it opened here? (A room id may come back after its
+        tombstone expired: a fence older than the room is not the new room's.)"""
+        fenced_at = self.fenced_unopened.pop(room, None) if pop else self.fenced_unopened.get(room)
+        return fenced_at is not None and entry is not None and entry.created <= fenced_at
 
     def _item_done(self, room: int, tx: _RoomTx, item: int) -> None:
         it = tx.items[item]

@@ -52,3 +52,19 @@ def test_a_room_id_used_again_after_an_old_fence_opens(sender):
     slot = rooms.insert(ROOM, "req-again", 1, OWNER_INTAKE)
     s.on_opened(RoomOpened(slot, ROOM, "req-again", [4], 0.0))
     assert ROOM in s.live
+
+
+def test_an_alloc_for_a_room_fenced_before_it_opened_is_answered_at_once(sender):
+    """A room failed at intake never opens at the sender; an alloc that comes after its
+    fence, while the table may still say live, must not wait for a RoomOpened."""
+    from pipeline.protocol import Alloc
+
+    s, rooms = sender
+    rooms.insert(ROOM, "req", 1, OWNER_INTAKE)
+    s.fence(ROOM)
+    s.events.clear()
+    alloc = Alloc(receiver="rx", room=ROOM, item=0, dst=4096, dst_deepstack=0, row_start=0, n_rows=4,
+                  span=4, hidden=8, dtype="bfloat16", deepstack_width=0, fanout=1)
+    s._on_alloc(alloc, time.monotonic())
+    assert s.events == [("late_alloc", ROOM, "rx")]
+    assert not s.held
