@@ -213,6 +213,12 @@ class Reaper:
             if slot is None:
                 try:
                     slot = self.rooms.insert(f.room, "?", 0, OWNER_REAPER)
+                except ValueError:
+                    # Intake inserted it meanwhile, on another core (find reads without
+                    # the lock, insert checks under it): fail that entry.
+                    slot = self.rooms.find(f.room)
+                    if slot is None:
+                        return
                 except TableFull:
                     log.error("room failed but the room table is full: room=%d reason=%s", f.room, f.reason)
                     self.fence(f.room)

@@ -155,3 +155,20 @@ def test_an_item_done_handled_again_by_a_successor_does_not_end_the_room_early(r
     assert rooms.get(slot).state == RoomState.SUCCESS
     assert ("sender", ("forget", ROOM)) in emitted
     nxt.close()
+
+
+def test_a_room_intake_inserts_while_the_reaper_looks_is_failed_not_crashed_on(reaper, rooms, monkeypatch):
+    """The reaper looks a room up without the table's lock; intake may be inserting it on
+    the other core at that moment. The insert the reaper then tries finds it under the
+    lock: the reaper fails that entry instead of dying on the duplicate."""
+    stage, pusher, slot, emitted = reaper
+    real_find, looked = rooms.find, []
+
+    def find_missing_once(room):
+        looked.append(room)
+        return None if len(looked) == 1 else real_find(room)
+
+    monkeypatch.setattr(rooms, "find", find_missing_once)
+    feed(stage, "sender", ("fail", None, ROOM, "alloc for item 0 does not fit"))
+    assert rooms.get(slot).state == RoomState.FAILED
+    assert ("sender", ("fence", ROOM)) in emitted
