@@ -380,10 +380,13 @@ class RoomTable:
     # -- writes ----------------------------------------------------------------
 
     def insert(self, room: int, request_id: str, items_total: int, owner: int,
-               deadline: float = 0.0, state: RoomState = RoomState.BOOTSTRAPPING) -> int:
+               deadline: float = 0.0, state: RoomState = RoomState.BOOTSTRAPPING,
+               existing_ok: bool = False) -> int:
         """Record a new room; return its slot. TableFull when no slot is FREE.
 
-        ValueError if a non-FREE entry (live or tombstone) already has this room id.
+        ValueError if a non-FREE entry (live or tombstone) already has this room id, or
+        with ``existing_ok`` that entry's slot: looked up under the lock, so a room another
+        process is inserting at that moment is found, where find() may miss it.
         """
         room = _check_range("room", room, *_U64)
         items_total = _check_range("items_total", items_total, 0, _U32_MAX)
@@ -398,6 +401,8 @@ class RoomTable:
         self._lock.acquire()
         try:
             dup = self._find_locked(room)
+            if dup is not None and existing_ok:
+                return dup
             if dup is not None:
                 raise ValueError(f"room {room} is already in the table (slot {dup})")
             for slot in np.flatnonzero(self._active_states() == 0):

@@ -342,11 +342,7 @@ class Supervisor:
             sem.close()
             shm.unlink_semaphore(name)
         self._bells = []
-        if self.cfg.intake.startswith("ipc://"):
-            try:
-                os.unlink(self.cfg.intake[len("ipc://"):])
-            except FileNotFoundError:
-                pass
+        wiring.unlink_ipc(self.cfg.intake)
         if self.lock is not None:
             shm.sweep(self.cfg.shm_prefix, self.lock.run_id, include_live=True)
             self.lock.release()

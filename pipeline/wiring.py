@@ -70,20 +70,26 @@ def bind_pull(ctx, endpoint: str, max_frame: int):
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 100000)
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
-    path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
-    if path:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+    unlink_ipc(endpoint)  # a dead predecessor's
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as e:
         sock.close()
         raise RuntimeError(f"cannot bind {endpoint}: {e}") from None
-    if path:
-        os.chmod(path, 0o600)
+    if endpoint.startswith("ipc://"):
+        os.chmod(endpoint[len("ipc://"):], 0o600)
     return sock
+
+
+def unlink_ipc(endpoint: str) -> None:
+    """Remove the socket file of an ipc:// endpoint, if there is one."""
+    import os
+
+    if endpoint.startswith("ipc://"):
+        try:
+            os.unlink(endpoint[len("ipc://"):])
+        except FileNotFoundError:
+            pass
 
 
 def intake_max_frame(cfg: WorkerConfig) -> int:

@@ -6,7 +6,6 @@ one to the next through a local queue, in the order they were emitted.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -213,11 +212,7 @@ class Worker:
                     sock.close(linger=0)
             self.ctx.term()
             self.ctx = None
-            if self.cfg.intake.startswith("ipc://"):
-                try:
-                    os.unlink(self.cfg.intake[len("ipc://"):])
-                except FileNotFoundError:
-                    pass
+            wiring.unlink_ipc(self.cfg.intake)
         if self.tower is not None:
             self.tower.close()
             self.tower = None

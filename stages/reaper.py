@@ -209,20 +209,14 @@ class Reaper:
         would ever tell its receivers."""
         slot = f.slot
         if slot is None:
-            slot = self.rooms.find(f.room)
-            if slot is None:
-                try:
-                    slot = self.rooms.insert(f.room, "?", 0, OWNER_REAPER)
-                except ValueError:
-                    # Intake inserted it meanwhile, on another core (find reads without
-                    # the lock, insert checks under it): fail that entry.
-                    slot = self.rooms.find(f.room)
-                    if slot is None:
-                        return
-                except TableFull:
-                    log.error("room failed but the room table is full: room=%d reason=%s", f.room, f.reason)
-                    self.fence(f.room)
-                    return
+            try:
+                # Found under the table's lock: intake may be inserting this room on the
+                # other core right now. A room recorded here has nobody holding its items.
+                slot = self.rooms.insert(f.room, "?", 0, 0, existing_ok=True)
+            except TableFull:
+                log.error("room failed but the room table is full: room=%d reason=%s", f.room, f.reason)
+                self.fence(f.room)
+                return
         entry = self.rooms.get(slot)
         if (entry is None or entry.room != f.room or entry.state >= RoomState.SUCCESS
                 or f.room in self.reasons):

@@ -86,6 +86,7 @@ def test_full_table_and_argument_errors(make_table):
         t.insert(9, "q9", 1, 0)
     with pytest.raises(ValueError, match="already"):
         t.insert(0, "again", 1, 0)
+    assert t.insert(0, "again", 1, 0, existing_ok=True) == slots[1]  # full, but it is there
     assert t.find(0) == slots[1] and t.find(1) is None and t.find(2**70) is None
     for bad in (lambda: t.insert(2**64, "x", 1, 0), lambda: t.insert(-1, "x", 1, 0),
                 lambda: t.insert(1, "x", -1, 0),
