@@ -178,7 +178,7 @@ class ChaosReceiver:
         every frame, not only those the library applies."""
         import zmq
 
-        from pipeline import protocol
+        from ipc import wire
 
         out = []
         sock = self.r.status_sock
@@ -189,8 +189,8 @@ class ChaosReceiver:
                 except zmq.Again:
                     break
                 try:
-                    out.append(protocol.decode(frame))
-                except protocol.ProtocolError as e:
+                    out.append(wire.decode(frame))
+                except wire.ProtocolError as e:
                     self.violation(f"unparseable status: {e}")
         return out
 
@@ -273,7 +273,7 @@ class ChaosReceiver:
         rec.snaps.clear()
 
     def finish(self) -> None:
-        from pipeline import transport
+        from ipc import transport
 
         while self.quarantine:
             self.check_canaries(self.quarantine.popleft()[1])

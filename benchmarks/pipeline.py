@@ -94,13 +94,13 @@ def client_main(conn, intake: str, prefix: str, bootstrap: str, spec: dict, grid
     """Gateway and prefill receiver in one process; answers the parent's commands."""
     import numpy as np
 
-    from pipeline import protocol
+    from ipc import wire
     from pipeline.client import Client, Item, unlink_segment
     from pipeline.receiver import Receiver
 
     n_patches = grid[0] * grid[1] * grid[2]
     span = n_patches // spec["merge"] ** 2
-    isz = protocol.DTYPES[spec["dtype"]]
+    isz = wire.DTYPES[spec["dtype"]]
     item_bytes = span * (spec["hidden"] + spec["deepstack_width"]) * isz
     alloc_kw = dict(span=span, hidden=spec["hidden"], dtype=spec["dtype"],
                     deepstack_width=spec["deepstack_width"])
@@ -114,7 +114,7 @@ def client_main(conn, intake: str, prefix: str, bootstrap: str, spec: dict, grid
         base[0, 0] = float(room)  # distinct pixels per room: no cache hits
         msg = client.message(room, f"bench-{room}", [Item("image", [list(grid)], base)])
         published.append(msg["items"][0]["pixels"]["shm"])
-        return protocol.encode(msg)
+        return wire.encode(msg)
 
     def cpu_s() -> tuple[float, float]:
         import resource

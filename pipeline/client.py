@@ -9,9 +9,9 @@ import numpy as np
 import zmq
 
 from ipc import shm
-from pipeline import protocol
+from ipc import wire
 from pipeline.routing import HashRing
-from stages.hash_cache import content_hash
+from ipc.wire import content_hash
 
 _NP_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
 
@@ -91,7 +91,7 @@ class Client:
             for name in published:
                 unlink_segment(name)
             raise
-        msg = {"v": protocol.VERSION, "type": "encode", "request_id": request_id, "room": room,
+        msg = {"v": wire.VERSION, "type": "encode", "request_id": request_id, "room": room,
                "items": msg_items}
         if deadline_ms is not None:
             msg["deadline_ms"] = deadline_ms
@@ -102,7 +102,7 @@ class Client:
         self.send(self.message(room, request_id, items, deadline_ms=deadline_ms, inline=inline))
 
     def send(self, msg: dict) -> None:
-        self.sock.send(protocol.encode(msg))
+        self.sock.send(wire.encode(msg))
 
     def send_raw(self, frame: bytes) -> None:
         self.sock.send(frame)

@@ -19,6 +19,7 @@ import tomllib
 from dataclasses import dataclass, field
 
 from ipc import shm
+from stages.records import STAGES
 
 ENV_PREFIX = "EPD_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -175,8 +176,6 @@ class WorkerConfig:
 
 def parse_numa(text: str) -> str | dict[str, int]:
     """`numa` as "auto", "off", or {stage or "*": node}; a bare node number is {"*": node}."""
-    from pipeline.wiring import STAGES  # wiring imports this module
-
     if text in ("auto", "off"):
         return text
     if text.isdigit():

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from pipeline import protocol
-from pipeline.transport import Engine
+from ipc import wire
+from ipc.transport import Engine
 
 _NP = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
@@ -85,7 +85,7 @@ class Receiver:
         self.workers.pop(bootstrap).close()
 
     def _send(self, msg: dict, worker: str) -> None:
-        self.workers[worker].send(protocol.encode({"v": protocol.VERSION, "receiver": self.id, **msg}))
+        self.workers[worker].send(wire.encode({"v": wire.VERSION, "receiver": self.id, **msg}))
 
     def _register_msg(self) -> dict:
         return {"type": "register", "session": self.engine.session, "status": self.status_endpoint}
@@ -121,7 +121,7 @@ class Receiver:
             self.route(room, worker)
         worker = self.worker_of(room)
         n_rows = span - row_start if n_rows is None else n_rows
-        isz = protocol.DTYPES[dtype]
+        isz = wire.DTYPES[dtype]
         main_bytes = n_rows * hidden * isz
         nbytes = n_rows * (hidden + deepstack_width) * isz
         offset = self._take(nbytes) if nbytes else 0
@@ -156,12 +156,12 @@ class Receiver:
         """Apply one status; None if it is not applied (counted in `dropped`). Anyone who
         reaches the status socket can send one, so nothing is taken on trust."""
         try:
-            st = protocol.decode(frame)
-        except protocol.ProtocolError as e:
+            st = wire.decode(frame)
+        except wire.ProtocolError as e:
             return self._reject("unparseable", f"unparseable status: {e}")
         room, item, state, reason = st.get("room"), st.get("item"), st.get("state"), st.get("reason")
-        if (st.get("type") != "status" or not protocol.is_u64(room) or state not in ("success", "failed")
-                or not isinstance(reason, str) or not (item is None or protocol.is_u64(item))):
+        if (st.get("type") != "status" or not wire.is_u64(room) or state not in ("success", "failed")
+                or not isinstance(reason, str) or not (item is None or wire.is_u64(item))):
             return self._reject("malformed", f"malformed status for room {str(room)[:40]} "
                                              f"(state {str(state)[:20]}, item {str(item)[:20]})")
         if state == "success":
@@ -208,7 +208,7 @@ class Receiver:
         """Copies of the item's rows that this receiver holds (main, deepstack or None)."""
         s = self.shards[(room, item)]
         dt = _NP[s.dtype]
-        isz = protocol.DTYPES[s.dtype]
+        isz = wire.DTYPES[s.dtype]
         main = self.buffer[s.offset:s.offset + s.n_rows * s.hidden * isz].view(dt).reshape(s.n_rows, s.hidden)
         deep = None
         if s.deepstack_width:

@@ -245,7 +245,7 @@ class StageHost:
 
             self.spec = TowerSpec(**spec_kwargs)
         if name == "sender":
-            from pipeline.transport import Engine
+            from ipc.transport import Engine
 
             self.engine = Engine(cfg.hostname, cfg.protocol, cfg.device)
             self.engine.register(self.shared.emb_arena.address, self.shared.emb_arena.size)

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 from ipc.arena import Arena
 from ipc.rooms import RoomTable
+from pipeline import numa
 from pipeline.config import WorkerConfig
+from stages.records import STAGES  # noqa: F401 (re-read by the hosts)
 from stages.records import (OWNER_CACHE, OWNER_INTAKE, OWNER_REAPER, OWNER_SCHEDULER, OWNER_SENDER,
                             OWNER_TOWER)
 
-# In start order: a stage's consumers come after it only where a cycle forces otherwise.
-STAGES = ["reaper", "sender", "tower", "scheduler", "cache", "intake"]
 OWNERS = {"intake": OWNER_INTAKE, "cache": OWNER_CACHE, "scheduler": OWNER_SCHEDULER,
           "tower": OWNER_TOWER, "sender": OWNER_SENDER, "reaper": OWNER_REAPER}
 
@@ -107,8 +107,6 @@ def create_shared(cfg: WorkerConfig, run_id: str, own, placement: dict | None = 
     With `placement` (stage -> CPUs), each arena is made on the CPUs of the stage that
     writes most into it: a page lands on the node of the CPU that first touches it
     (posix_fallocate, at creation)."""
-    from pipeline import numa
-
     placement = placement or {}
     p = cfg.shm_prefix
     with numa.first_touch(placement.get("intake")):
@@ -141,8 +139,8 @@ def build_stage(name: str, cfg: WorkerConfig, run_id: str, sh: Shared, spec, emi
                         max_live_rooms=cfg.max_live_rooms)
         return IntakeStage(emit, intake, custody, journal=journal)
     if name == "cache":
-        from stages.cache import EmbeddingCache
-        from stages.hash_cache import CacheStage, HashCache
+        from stages.embedding_cache import EmbeddingCache
+        from stages.cache import CacheStage, HashCache
 
         cache = EmbeddingCache(sh.emb_arena, OWNER_CACHE, cfg.arena_cache_bytes, cfg.host_cache_bytes)
         hc = HashCache(pixel_arena=sh.pixel_arena, cache=cache, hidden=spec.hidden, dtype=spec.dtype,

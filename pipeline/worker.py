@@ -17,7 +17,7 @@ from ipc.rooms import RoomState
 from pipeline import wiring
 from pipeline.config import WorkerConfig
 from pipeline.metrics import MetricsServer, Snapshot, Totals, totals_of
-from pipeline.transport import Engine
+from ipc.transport import Engine
 from stages.records import RoomFailure
 from stages.tower import Tower, build_tower
 

@@ -1,355 +1,217 @@
-"""The embedding cache: a bytes-bounded LRU in two exclusive tiers, and in-flight dedup.
-
-Key
-    ``(modality, hash, span, hidden, dtype)``, a tuple (``make_key``); never the
-    content hash alone, so two models or dtypes never share an entry.
-
-Value
-    The item's rows as one contiguous blob: the main rows (``span*hidden*itemsize``
-    bytes) followed by the deepstack rows (``span*deepstack_width*itemsize``), see
-    ``entry_nbytes`` / ``split_entry``. The cache itself only sees bytes of a length.
-
-Tier 1, "arena"
-    Entries are leases in the embedding arena (shared memory, registered with
-    Mooncake, so a hit is shipped from where it lies). The cache holds exactly one
-    reference per entry, as owner ``cache_owner``. Budget: ``arena_budget`` bytes,
-    the sum of the lease lengths of tier-1 entries. Leave the arena larger than the
-    budget: in-flight encodes and promotions need room too.
-
-Tier 2, "host"
-    Process-local ``bytes``, budget ``host_budget``. It only catches tier-1
-    evictions (demotion: copy the bytes out, drop the arena reference). Evicted
-    from tier 2 means gone ("eviction").
-
-Documented behaviours
-    * Tiers are exclusive: a key is in at most one tier at any time.
-    * LRU: ``lookup`` hits and ``insert`` make the entry tier-1 MRU. Making room in
-      tier 1 demotes its LRU entries (in LRU order) to tier-2 MRU; making room in
-      tier 2 evicts its LRU entries.
-    * Host hit = promotion: ``lookup`` allocates a lease (owner ``cache_owner``) in
-      the arena, copies the bytes in, removes the host entry and makes the lease
-      tier-1 MRU, demoting tier-1 LRU entries as needed for budget room.
-    * Promotion with the arena full: when ``arena.alloc`` returns None, nothing
-      moves: the entry stays in tier 2 (touched to MRU there), no tier-1 entry is
-      demoted, and ``lookup`` returns None; ``last_status`` (and
-      ``lookup_status``) says ``Status.NO_ROOM`` and ``stats()['promotion_no_room']``
-      counts it. The caller may retry the lookup later or re-encode the item; an
-      ``insert`` of the re-encoded lease then supersedes the host copy (below).
-    * Oversize: an item longer than ``arena_budget`` is not cached at all (neither
-      tier: a host entry could never be promoted, hence never shipped from the
-      cache), evicts nothing, and counts ``oversize_skipped``. An entry longer than
-      ``host_budget`` that is demoted from tier 1 is evicted right away.
-    * ``insert`` of a key already in tier 1 returns False (the caller's lease is not
-      adopted; its own reference is untouched). ``insert`` of a key that sits in
-      tier 2 replaces the host copy with the new lease (tier-1 MRU, True): the
-      fresh lease is ship-ready, the host copy is not.
-    * Stale leases: if the arena says a tier-1 lease is stale (``StaleLease``, e.g.
-      the cache owner was reclaimed), the entry is dropped and counted
-      (``stale_dropped``); a lookup that finds one is a miss. A stale lease is never
-      returned. ``insert`` of an already-stale lease returns False (counted too).
-
-Only the hash/cache stage touches the index, so there is no locking here.
-"""
+"""Hash/cache stage: content hash, cache lookup, one encode for identical misses in flight."""
 from __future__ import annotations
 
-import enum
-from collections import OrderedDict
-from typing import Any, Hashable, Optional
+from collections import Counter
 
-from ipc.arena import Arena, ArenaFull, Lease, StaleLease
-
-CacheKey = tuple  # (modality, hash, span, hidden, dtype)
-
-
-def make_key(modality: str, content_hash: int, span: int, hidden: int, dtype: str) -> CacheKey:
-    return (modality, content_hash, int(span), int(hidden), str(dtype))
+from ipc.arena import Arena, Lease, StaleLease
+from ipc.wire import content_hash
+from stages.embedding_cache import EmbeddingCache, InflightMisses
+from stages.base import Stage
+from stages.records import OWNER_CACHE, OWNER_INTAKE, OWNER_TOWER, RoomFailure, ReadyItem, WorkItem
 
 
-def entry_nbytes(span: int, hidden: int, deepstack_width: int, itemsize: int) -> int:
-    """Bytes of one entry: main rows then deepstack rows, no padding."""
-    return span * (hidden + deepstack_width) * itemsize
+class HashCache:
+    def __init__(self, *, pixel_arena: Arena, cache: EmbeddingCache, hidden: int, dtype: str,
+                 trust_client_hash: bool = False):
+        self.pixel_arena = pixel_arena
+        self.cache = cache
+        self.hidden = hidden
+        self.dtype = dtype
+        self.trust_client_hash = trust_client_hash
+        self.inflight = InflightMisses()
+        self.dedup_hits = 0
+        self.outcomes = Counter()  # items by cache outcome: hit_arena, hit_host, miss, inflight_duplicate
+        # Encoded rows go to their waiters first and into the cache after (flush_inserts):
+        # inserting can demote an older entry, a copy of megabytes that need not delay a send.
+        self.pending_inserts: list[tuple[tuple, Lease]] = []
 
+    def key_of(self, w: WorkItem) -> tuple:
+        if self.trust_client_hash and w.client_hash is not None:
+            h = w.client_hash
+        else:
+            h = content_hash(w.modality, w.grid_thw, w.pixel_dtype, self.pixel_arena.view(w.pixels))
+        return (w.modality, h, w.span, self.hidden, self.dtype)
 
-def split_entry(buf, span: int, hidden: int, deepstack_width: int, dtype) -> tuple[Any, Any]:
-    """``(main, deepstack or None)`` numpy views over an entry's bytes (no copy)."""
-    import numpy as np
-
-    dt = np.dtype(dtype)
-    flat = np.frombuffer(buf, dtype=dt, count=span * (hidden + deepstack_width))
-    main = flat[: span * hidden].reshape(span, hidden)
-    deep = flat[span * hidden:].reshape(span, deepstack_width) if deepstack_width else None
-    return main, deep
-
-
-class Status(enum.Enum):
-    HIT_ARENA = "hit_arena"  # found in tier 1
-    HIT_HOST = "hit_host"  # found in tier 2 and promoted to tier 1
-    MISS = "miss"  # not cached (or its lease had gone stale)
-    NO_ROOM = "no_room"  # in tier 2, but the arena had no room to promote it now
-
-
-def _check_key(key) -> None:
-    if not isinstance(key, tuple) or len(key) != 5:
-        raise TypeError(
-            f"cache key must be a (modality, hash, span, hidden, dtype) tuple, got {key!r}"
-        )
-
-
-class EmbeddingCache:
-    def __init__(self, arena: Arena, cache_owner: int, arena_budget: int, host_budget: int):
-        if arena_budget < 0 or host_budget < 0:
-            raise ValueError(
-                f"cache budgets must be >= 0 bytes (arena_budget={arena_budget}, "
-                f"host_budget={host_budget})"
-            )
-        self.arena = arena
-        self.cache_owner = cache_owner
-        self.arena_budget = arena_budget
-        self.host_budget = host_budget
-        # LRU first, MRU last.
-        self._t1: OrderedDict[Hashable, Lease] = OrderedDict()
-        self._t2: OrderedDict[Hashable, bytes] = OrderedDict()
-        self._t1_bytes = 0
-        self._t2_bytes = 0
-        self.last_status: Optional[Status] = None
-        self._c = dict.fromkeys(
-            (
-                "hits_arena",
-                "hits_host",
-                "misses",
-                "promotions",
-                "promotion_no_room",
-                "demotions",
-                "evictions",
-                "oversize_skipped",
-                "inserts",
-                "insert_present",
-                "stale_dropped",
-            ),
-            0,
-        )
-
-    # -- lookups ---------------------------------------------------------
-
-    def lookup(self, key, reader_owner: int) -> Optional[Lease]:
-        """A lease on which ``reader_owner`` now holds its own reference, or None.
-
-        None is a miss, or (``last_status is Status.NO_ROOM``) a host hit that could
-        not be promoted for lack of arena room right now.
-        """
-        return self.lookup_status(key, reader_owner)[1]
-
-    def lookup_status(self, key, reader_owner: int) -> tuple[Status, Optional[Lease]]:
-        _check_key(key)
-        status, lease = self._lookup(key, reader_owner)
-        self.last_status = status
-        return status, lease
-
-    def _lookup(self, key, reader_owner: int) -> tuple[Status, Optional[Lease]]:
-        lease = self._t1.get(key)
+    def on_item(self, w: WorkItem) -> tuple[ReadyItem | None, WorkItem | None]:
+        """A hit comes back ready to send; the first miss of a key goes on to be encoded;
+        an identical miss already in flight waits for it (both None). StaleLease: the
+        pixels were reclaimed from a dead intake; the caller fails the room."""
+        self.pixel_arena.transfer(w.pixels, OWNER_INTAKE, OWNER_CACHE)
+        w.key = self.key_of(w)
+        self.flush_inserts()  # a key encoded a moment ago is a hit, not a second encode
+        lease = self.cache.lookup(w.key, OWNER_CACHE)
         if lease is not None:
+            self.outcomes[self.cache.last_status.value] += 1
+            self._drop_pixels(w)
+            return ReadyItem(w.slot, w.room, w.item, w.span, lease), None
+        if self.inflight.begin(w.key, w):
+            self.outcomes["miss"] += 1
+            return None, w
+        self.dedup_hits += 1
+        self.outcomes["inflight_duplicate"] += 1
+        return None, None
+
+    def on_encoded(self, encoded: WorkItem) -> list[ReadyItem]:
+        """The tower wrote `encoded`'s rows into its lease and sent them on to the sender
+        itself; the identical items that waited for them are returned ready, each with a
+        reference of this stage (OWNER_CACHE), which the sender takes over on receipt. The
+        caller's own reference passes to this object: flush_inserts() caches the rows and
+        drops it."""
+        key, lease = encoded.key, encoded.out
+        self.pending_inserts.append((key, lease))
+        ready = []
+        waiters = self.inflight.finish(key)
+        if waiters and not self._same(waiters[0], encoded):
+            # `encoded` led until its room failed; the waiter encoded in its place
+            # (forget_room) gets its own rows, the others need not wait for them
+            self.inflight.begin(key, waiters.pop(0))
+        for w in waiters:
+            if w is encoded or (w.room, w.item) == (encoded.room, encoded.item):
+                continue
+            self._drop_pixels(w)
             try:
-                self.arena.addref(lease, reader_owner)
+                self.cache.arena.addref(lease, OWNER_CACHE)
             except StaleLease:
-                self._forget_stale(key)
-                self._c["misses"] += 1
-                return Status.MISS, None
-            self._t1.move_to_end(key)
-            self._c["hits_arena"] += 1
-            return Status.HIT_ARENA, lease
-        data = self._t2.get(key)
-        if data is None:
-            self._c["misses"] += 1
-            return Status.MISS, None
-        self._c["hits_host"] += 1
-        return self._promote(key, data, reader_owner)
+                continue
+            ready.append(ReadyItem(w.slot, w.room, w.item, w.span, lease))
+        return ready
 
-    def contains(self, key) -> Optional[str]:
-        """'arena', 'host' or None; no LRU touch, no counters."""
-        if key in self._t1:
-            return "arena"
-        if key in self._t2:
-            return "host"
-        return None
+    def flush_inserts(self) -> None:
+        pending, self.pending_inserts = self.pending_inserts, []
+        for key, lease in pending:
+            self.cache.insert(key, lease)
+            try:
+                self.cache.arena.drop(lease, OWNER_CACHE)
+            except StaleLease:
+                pass
 
-    def __contains__(self, key) -> bool:
-        return key in self._t1 or key in self._t2
+    def on_encode_failed(self, key: tuple,
+                         failed_rooms: set[int]) -> tuple[list[WorkItem], WorkItem | None]:
+        """The encode of `key` failed. Waiters whose rooms failed with it are returned to be
+        failed; the first of the others is encoded anew (the rest keep waiting on it)."""
+        failed, survivors = [], []
+        for w in self.inflight.abort(key):
+            if w.room in failed_rooms:
+                self._drop_pixels(w)
+                failed.append(w)
+            else:
+                survivors.append(w)
+        again = None
+        for w in survivors:
+            if self.inflight.begin(key, w):
+                again = w
+        return failed, again
 
-    def __len__(self) -> int:
-        return len(self._t1) + len(self._t2)
+    def leads(self, w: WorkItem) -> bool:
+        """Whether `w` is the item being encoded for its key (not one replaced by forget_room)."""
+        waiters = self.inflight.waiting(w.key)
+        return bool(waiters) and self._same(waiters[0], w)
 
-    def _promote(self, key, data: bytes, reader_owner: int) -> tuple[Status, Optional[Lease]]:
-        n = len(data)
-        try:
-            lease = self.arena.alloc(n, self.cache_owner) if n <= self.arena_budget else None
-        except ArenaFull:  # every lease slot is live: no room either
-            lease = None
-        if lease is None:
-            self._t2.move_to_end(key)
-            self._c["promotion_no_room"] += 1
-            return Status.NO_ROOM, None
-        try:
-            with self.arena.view(lease) as mv:
-                mv[:] = data
-            self.arena.addref(lease, reader_owner)
-        except BaseException:
-            self._drop_quiet(lease, reader_owner)
-            self._drop_quiet(lease, self.cache_owner)
-            raise
-        del self._t2[key]
-        self._t2_bytes -= n
-        self._make_room_t1(n)
-        self._t1[key] = lease
-        self._t1_bytes += n
-        self._c["promotions"] += 1
-        return Status.HIT_HOST, lease
+    @staticmethod
+    def _same(a: WorkItem, b: WorkItem) -> bool:
+        return (a.room, a.item) == (b.room, b.item)
 
-    # -- inserts ---------------------------------------------------------
+    def forget_room(self, room: int) -> list[WorkItem]:
+        """A failed room's waiters stop waiting (their pixels are released). Where the room's
+        item was the one being encoded for the others, its encode may never come back (the
+        scheduler drops a failed room's queued items; a dead stage loses what it held): the
+        first other waiter is returned, to be encoded in its place."""
+        promoted = []
+        for key in self.inflight.keys():
+            waiters = self.inflight.waiting(key)
+            if not any(w.room == room for w in waiters):
+                continue
+            keep = [w for w in waiters if w.room != room]
+            for w in waiters[1:]:  # the first one's pixels are the scheduler's or the tower's
+                if w.room == room:
+                    self._drop_pixels(w)
+            self.inflight.abort(key)
+            for w in keep:
+                self.inflight.begin(key, w)
+            if keep and waiters[0].room == room:
+                promoted.append(keep[0])
+        return promoted
 
-    def insert(self, key, lease: Lease) -> bool:
-        """Cache the rows in ``lease`` (the caller keeps its own reference).
-
-        The cache adds its reference (``cache_owner``) and makes the entry tier-1
-        MRU, demoting/evicting LRU entries to fit. False if not cached: oversize,
-        key already in tier 1, or a stale lease. A key in tier 2 is superseded.
-        """
-        _check_key(key)
-        n = lease.length
-        if n > self.arena_budget:
-            self._c["oversize_skipped"] += 1
-            return False
-        if key in self._t1:
-            self._c["insert_present"] += 1
-            return False
-        try:
-            self.arena.addref(lease, self.cache_owner)
-        except StaleLease:
-            self._c["stale_dropped"] += 1
-            return False
-        old = self._t2.pop(key, None)
-        if old is not None:
-            self._t2_bytes -= len(old)
-        self._make_room_t1(n)
-        self._t1[key] = lease
-        self._t1_bytes += n
-        self._c["inserts"] += 1
-        return True
-
-    # -- eviction machinery ---------------------------------------------
-
-    def _make_room_t1(self, n: int) -> None:
-        while self._t1 and self._t1_bytes + n > self.arena_budget:
-            key, lease = self._t1.popitem(last=False)
-            self._t1_bytes -= lease.length
-            self._demote(key, lease)
-
-    def _demote(self, key, lease: Lease) -> None:
-        """Move a tier-1 entry (already out of the tier-1 index) to tier 2 MRU."""
-        n = lease.length
-        data = None
-        try:
-            if n <= self.host_budget:
-                with self.arena.view(lease) as mv:
-                    data = bytes(mv)
-            self.arena.drop(lease, self.cache_owner)
-        except StaleLease:
-            self._c["stale_dropped"] += 1
+    def _drop_pixels(self, w: WorkItem) -> None:
+        if w.pixels is None:  # the tower already let go of them
             return
-        if data is None:
-            self._c["evictions"] += 1
-            return
-        while self._t2 and self._t2_bytes + n > self.host_budget:
-            _, old = self._t2.popitem(last=False)
-            self._t2_bytes -= len(old)
-            self._c["evictions"] += 1
-        self._t2[key] = data
-        self._t2_bytes += n
-        self._c["demotions"] += 1
-
-    def _forget_stale(self, key) -> None:
-        lease = self._t1.pop(key)
-        self._t1_bytes -= lease.length
-        self._c["stale_dropped"] += 1
-        self._drop_quiet(lease, self.cache_owner)
-
-    def _drop_quiet(self, lease: Lease, owner: int) -> None:
         try:
-            self.arena.drop(lease, owner)
+            self.pixel_arena.drop(w.pixels, OWNER_CACHE)
         except StaleLease:
             pass
 
-    def check_stale(self) -> int:
-        """Drop every tier-1 entry whose lease is no longer valid; return how many."""
-        stale = [k for k, lease in self._t1.items() if not self.arena.valid(lease)]
-        for k in stale:
-            self._forget_stale(k)
-        return len(stale)
 
-    # -- the rest --------------------------------------------------------
+class CacheStage(Stage):
+    """Items from intake; encode results from the tower; failed rooms from the reaper."""
+
+    name = "cache"
+    owner = OWNER_CACHE
+
+    def __init__(self, emit, hash_cache: HashCache, emb_arena: Arena, custody=None):
+        super().__init__(emit, custody)
+        self.hc = hash_cache
+        self.emb_arena = emb_arena
+
+    def handle(self, source: str, rec) -> None:
+        if source == "intake":
+            self._item(rec)
+        elif source == "tower":
+            self._encoded(rec)
+        elif source == "reaper":
+            for w in self.hc.forget_room(rec[1]):
+                self.emit("scheduler", w)
+                self.custody.release(w.slot, w.room)
+            self.custody.forget(rec[1])
+        else:
+            raise ValueError(f"cache: unexpected source {source!r}")
+
+    def tick(self, now: float) -> None:
+        self.hc.flush_inserts()
 
     def stats(self) -> dict:
-        out = dict(self._c)
-        out.update(
-            arena_bytes=self._t1_bytes,
-            arena_entries=len(self._t1),
-            arena_budget=self.arena_budget,
-            host_bytes=self._t2_bytes,
-            host_entries=len(self._t2),
-            host_budget=self.host_budget,
-        )
-        return out
+        return {"cache": self.hc.cache.stats(), "dedup_hits": self.hc.dedup_hits,
+                "cache_items": dict(self.hc.outcomes)}
 
-    def keys(self, tier: str) -> list:
-        """Keys of ``tier`` ('arena' or 'host'), LRU first."""
-        return list(self._t1 if tier == "arena" else self._t2)
+    def close(self) -> None:
+        self.hc.flush_inserts()
+        self.hc.cache.clear()
 
-    def lease_of(self, key) -> Optional[Lease]:
-        """The tier-1 lease of ``key`` (no reference taken, no LRU touch), or None."""
-        return self._t1.get(key)
+    def _item(self, w: WorkItem) -> None:
+        self.custody.hold(w.slot, w.room)
+        try:
+            ready, miss = self.hc.on_item(w)
+        except StaleLease:
+            self.emit("reaper", RoomFailure(w.slot, w.room, "pixels were lost before hashing (intake died)"))
+            self.custody.release(w.slot, w.room)
+            return
+        if ready is not None:
+            self.emit("sender", ready)
+            self.custody.release(w.slot, w.room)
+        elif miss is not None:
+            self.emit("scheduler", miss)
+            self.custody.release(w.slot, w.room)
+        # else: waits, in our custody, for the identical item in flight
 
-    def clear(self) -> None:
-        """Drop every reference the cache holds and forget both tiers."""
-        t1, self._t1 = self._t1, OrderedDict()
-        self._t2 = OrderedDict()
-        self._t1_bytes = self._t2_bytes = 0
-        for lease in t1.values():
-            self._drop_quiet(lease, self.cache_owner)
-
-
-class InflightMisses:
-    """Identical misses in flight are encoded once; every waiter is shipped.
-
-    ``begin(key, waiter)`` is True for the first miss of a key (encode it) and
-    False for later ones (attached as waiters). ``finish(key)`` / ``abort(key)``
-    end the encode and return every waiter, the first included, in arrival order
-    (for ``abort`` the caller fails them, or begins again for a retry).
-    """
-
-    def __init__(self) -> None:
-        self._waiting: dict[Hashable, list] = {}
-
-    def begin(self, key, waiter) -> bool:
-        ws = self._waiting.get(key)
-        if ws is None:
-            self._waiting[key] = [waiter]
-            return True
-        ws.append(waiter)
-        return False
-
-    def finish(self, key) -> list:
-        return self._waiting.pop(key, [])
-
-    def abort(self, key) -> list:
-        return self._waiting.pop(key, [])
-
-    def waiting(self, key) -> list:
-        return list(self._waiting.get(key, ()))
-
-    def keys(self) -> list:
-        return list(self._waiting)
-
-    def __contains__(self, key) -> bool:
-        return key in self._waiting
-
-    def __len__(self) -> int:
-        return len(self._waiting)
+    def _encoded(self, rec) -> None:
+        kind, w = rec[0], rec[1]
+        if kind == "encoded":
+            try:
+                self.emb_arena.transfer(w.out, OWNER_TOWER, OWNER_CACHE)
+            except StaleLease:
+                kind, rec = "failed", ("failed", w, "embedding was lost (tower died)", {w.room})
+        if kind == "encoded":
+            for ready in self.hc.on_encoded(w):  # waiters, in our custody
+                self.emit("sender", ready)
+                self.custody.release(ready.slot, ready.room)
+            return
+        _, w, reason, failed_rooms = rec
+        if not self.hc.leads(w):
+            return  # replaced after its room failed: the waiters wait for its successor
+        failed, again = self.hc.on_encode_failed(w.key, failed_rooms)
+        for f in failed:
+            self.emit("reaper", RoomFailure(f.slot, f.room, reason))
+            if (f.room, f.item) != (w.room, w.item):
+                self.custody.release(f.slot, f.room)
+        if again is not None:
+            self.emit("scheduler", again)
+            self.custody.release(again.slot, again.room)

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from ipc import shm
 from ipc.arena import Arena, Lease
 from ipc.rooms import RoomState, RoomTable, TableFull
-from pipeline import protocol
-from pipeline.metrics import reason_class
-from pipeline.protocol import ProtocolError
+from ipc import wire
+from ipc.stats import reason_class
+from ipc.wire import ProtocolError
 from stages.base import Stage
 from stages.records import OWNER_INTAKE, RoomFailure, RoomOpened, WorkItem
 
@@ -95,7 +95,7 @@ class Intake:
 
     # ------------------------------------------------------------ helpers
     def _drop(self, reason: str) -> IntakeResult:
-        protocol.count_reason(self.dropped, reason.split(":")[0])
+        wire.count_reason(self.dropped, reason.split(":")[0])
         self.requests[("dropped", reason_class(reason))] += 1
         self._log_once(f"dropped a message: {reason}")
         return IntakeResult()
@@ -113,7 +113,7 @@ class Intake:
     def _take_segments(self, msg: dict) -> dict[str, int | str]:
         """Open and unlink every acceptable segment the message names: name -> fd, or a reason."""
         taken: dict[str, int | str] = {}
-        for name in protocol.shm_names(msg):
+        for name in wire.shm_names(msg):
             if name in taken:
                 continue
             problem = self.segment_name_problem(name)
@@ -145,12 +145,12 @@ class Intake:
     def handle(self, frame: bytes, arrival: float | None = None) -> IntakeResult:
         arrival = time.monotonic() if arrival is None else arrival
         try:
-            msg = protocol.decode(frame)
+            msg = wire.decode(frame)
         except ProtocolError as e:
             return self._drop(str(e))
-        room = protocol.room_of(msg)
+        room = wire.room_of(msg)
         if self.journal is not None:
-            self.journal(room, protocol.shm_names(msg))
+            self.journal(room, wire.shm_names(msg))
         if room is None:
             # Nobody to answer, but the segments are still ours to remove.
             self._close(self._take_segments(msg))
@@ -159,11 +159,11 @@ class Intake:
             self._close(self._take_segments(msg))
             return self._drop("duplicate room")
         rid = msg.get("request_id") if isinstance(msg.get("request_id"), str) else ""
-        rid = rid[: protocol.MAX_REQUEST_ID]
+        rid = rid[: wire.MAX_REQUEST_ID]
 
         try:
-            req = protocol.parse_encode(msg, self.max_items)
-            spans = [protocol.check_item_against_tower(i, it, self.patch_dim, self.merge)
+            req = wire.parse_encode(msg, self.max_items)
+            spans = [wire.check_item_against_tower(i, it, self.patch_dim, self.merge)
                      for i, it in enumerate(req.items)]
             total = sum(it.pixels.nbytes for it in req.items)
             if total > self.max_pixel_bytes:
@@ -227,7 +227,7 @@ class Intake:
             if isinstance(fd, int):
                 _closer.close(fd)
 
-    def _read_pixels(self, px: protocol.PixelsRef, segments: dict, lease: Lease) -> None:
+    def _read_pixels(self, px: wire.PixelsRef, segments: dict, lease: Lease) -> None:
         view = self.pixel_arena.view(lease)
         if px.data is not None:
             view[:] = px.data
@@ -247,7 +247,7 @@ class Intake:
             got += n
 
     def _fail_new_room(self, room: int, rid: str, reason: str) -> IntakeResult:
-        protocol.count_reason(self.failed, reason.split(":")[0][:60])
+        wire.count_reason(self.failed, reason.split(":")[0][:60])
         # One line per room would flood under overload; the reaper logs each failed room at INFO.
         log.debug("room failed at intake: room=%d request_id=%s reason=%s", room, rid, reason)
         try:

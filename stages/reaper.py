@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import zmq
 
 from ipc.rooms import RoomState, RoomTable, TableFull
-from pipeline import protocol
-from pipeline.metrics import Histogram, reason_class
+from ipc import wire
+from ipc.stats import Histogram, reason_class
 from stages.base import Stage
 from stages.records import OWNER_REAPER, RoomFailure, RoomOpened
 
@@ -140,7 +140,7 @@ class Reaper:
             if receiver in told.failed or item in told.success.get(receiver, ()):
                 return
             told.success.setdefault(receiver, set()).add(item)
-            self.pusher.send(receiver, protocol.status_message(room, item, True))
+            self.pusher.send(receiver, wire.status_message(room, item, True))
         elif kind == "item_done":
             # The count so far, not "one more": a successor handed the record its
             # predecessor died with must not count the item twice (and end the room early).
@@ -262,7 +262,7 @@ class Reaper:
         if receiver in told.failed:
             return
         told.failed.add(receiver)
-        self.pusher.send(receiver, protocol.status_message(room, None, False, reason))
+        self.pusher.send(receiver, wire.status_message(room, None, False, reason))
 
     def _concluded(self, room: int, slot: int, outcome: str, reason: str) -> None:
         self.outcomes[outcome] += 1

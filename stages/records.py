@@ -12,6 +12,8 @@ from ipc.arena import Lease
 OWNER_SUPERVISOR, OWNER_INTAKE, OWNER_CACHE, OWNER_SCHEDULER, OWNER_TOWER, OWNER_SENDER, OWNER_REAPER = range(7)
 STAGE_NAMES = {OWNER_INTAKE: "intake", OWNER_CACHE: "hash/cache", OWNER_SCHEDULER: "scheduler",
                OWNER_TOWER: "tower", OWNER_SENDER: "sender", OWNER_REAPER: "reaper"}
+# In start order: a stage's consumers come after it only where a cycle forces otherwise.
+STAGES = ["reaper", "sender", "tower", "scheduler", "cache", "intake"]
 
 
 @dataclass

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 from ipc.arena import Arena, StaleLease
 from ipc.rooms import RoomState, RoomTable
-from pipeline import protocol
-from pipeline.metrics import Histogram
-from pipeline.protocol import Alloc, Cancel, ProtocolError, Register
+from ipc import wire
+from ipc.stats import Histogram
+from ipc.wire import Alloc, Cancel, ProtocolError, Register
 from stages.base import Stage
 from stages.records import OWNER_CACHE, OWNER_SENDER, OWNER_TOWER, STAGE_NAMES, ReadyItem, RoomOpened
 
@@ -77,7 +77,7 @@ class Sender:
         self.hidden = hidden
         self.dtype = dtype
         self.deepstack_width = deepstack_width
-        self.itemsize = protocol.DTYPES[dtype]
+        self.itemsize = wire.DTYPES[dtype]
         self.bootstrap_timeout_s = bootstrap_timeout_s
         self.max_held_allocs = max_held_allocs
         self.receivers: dict[str, Register] = {}
@@ -102,8 +102,8 @@ class Sender:
     def on_bootstrap(self, frame: bytes, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         try:
-            msg = protocol.decode(frame)
-            m = protocol.parse_bootstrap(msg)
+            msg = wire.decode(frame)
+            m = wire.parse_bootstrap(msg)
         except ProtocolError as e:
             self._drop(f"bootstrap message: {e}")
             return
@@ -428,7 +428,7 @@ class Sender:
             pass
 
     def _drop(self, reason: str) -> None:
-        protocol.count_reason(self.dropped, reason)
+        wire.count_reason(self.dropped, reason)
         if reason not in self._logged:
             if len(self._logged) >= 1000:  # reasons quote what clients sent: stay bounded
                 self._logged.clear()

@@ -47,7 +47,7 @@ from stages.base import Stage
 import numpy as np
 import xxhash
 
-from pipeline.metrics import Histogram
+from ipc.stats import Histogram
 
 __all__ = [
     "DTYPES",

@@ -18,7 +18,7 @@ from hypothesis.stateful import (
 
 from ipc import shm
 from ipc.arena import Arena
-from stages.cache import (
+from stages.embedding_cache import (
     EmbeddingCache,
     InflightMisses,
     Status,
@@ -26,7 +26,7 @@ from stages.cache import (
     make_key,
     split_entry,
 )
-from stages.hash_cache import CacheStage, HashCache
+from stages.cache import CacheStage, HashCache
 from stages.records import OWNER_CACHE, OWNER_INTAKE, OWNER_TOWER, ReadyItem, WorkItem
 
 CACHE, CALLER, READER, HOG = 0, 1, 2, 3

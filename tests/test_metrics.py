@@ -14,7 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.client import Client, Item
-from pipeline.metrics import StageTotals, reason_class, totals_of
+from ipc.stats import reason_class
+from pipeline.metrics import StageTotals, totals_of
 from pipeline.receiver import Receiver
 from pipeline.supervisor import PipelineError
 from tests.helpers import PipelineWorker, ThreadedWorker, image, sim_config

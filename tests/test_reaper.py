@@ -5,7 +5,7 @@ import pytest
 
 from ipc import shm
 from ipc.rooms import RoomState, RoomTable
-from pipeline import protocol
+from ipc import wire
 from stages.reaper import ReaperStage
 from stages.records import OWNER_INTAKE, RoomFailure, RoomOpened
 
@@ -23,7 +23,7 @@ class RecordingPusher:
         pass
 
     def send(self, receiver: str, frame: bytes) -> None:
-        self.sent.append((receiver, protocol.decode(frame)))
+        self.sent.append((receiver, wire.decode(frame)))
 
     def close(self) -> None:
         pass

@@ -11,7 +11,7 @@ from ipc import shm
 from pipeline.client import Item, RoutedClient, WorkerAddress, routing_key
 from pipeline.receiver import Receiver
 from pipeline.routing import HashRing
-from stages.hash_cache import content_hash
+from ipc.wire import content_hash
 from tests.helpers import ThreadedWorker, expected_sim_rows, image, sim_config
 
 pytestmark = pytest.mark.timeout(300)

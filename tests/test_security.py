@@ -17,7 +17,7 @@ import pytest
 from ipc import shm
 from ipc.arena import Arena
 from ipc.rooms import RoomTable
-from pipeline import protocol
+from ipc import wire
 from pipeline.client import Client, Item
 from pipeline.receiver import Receiver
 from stages.intake import Intake
@@ -211,7 +211,7 @@ def test_segment_changed_after_the_worker_took_it(intake, shm_prefix, monkeypatc
             return taken
 
         monkeypatch.setattr(intake, "_take_segments", take_then_change)
-        res = intake.handle(protocol.encode(segment_msg(7, name)))
+        res = intake.handle(wire.encode(segment_msg(7, name)))
         monkeypatch.undo()
         assert res.failure is not None and res.items is None
         want = {"truncated": "holds 100 bytes", "grown": f"holds {IMAGE_BYTES + 4096} bytes",
@@ -400,7 +400,7 @@ def test_an_oversized_frame_is_cut_off_before_it_is_buffered(env, socket_name):
         peer.connect(getattr(w.cfg, socket_name))
         # A msgpack map whose one string is larger than any request may be: were it
         # received, it would be counted as dropped (bootstrap) or fail at intake.
-        peer.send(protocol.encode({"v": 1, "type": "junk", "pad": "x" * (8 << 20)}))
+        peer.send(wire.encode({"v": 1, "type": "junk", "pad": "x" * (8 << 20)}))
         time.sleep(0.5)
         it = Item("image", *image(7))
         room = serve(client, rx, [it])
@@ -430,7 +430,7 @@ def test_registered_receivers_are_bounded(env, monkeypatch):
         peer.setsockopt(zmq.LINGER, 0)
         peer.connect(w.cfg.bootstrap)
         for rid in ("r2", "r3", "r4", "r5", "r2"):
-            peer.send(protocol.encode({"v": 1, "type": "register", "receiver": rid,
+            peer.send(wire.encode({"v": 1, "type": "register", "receiver": rid,
                                        "session": "127.0.0.1:1", "status": "tcp://127.0.0.1:1"}))
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

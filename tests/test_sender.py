@@ -57,7 +57,7 @@ def test_a_room_id_used_again_after_an_old_fence_opens(sender):
 def test_an_alloc_for_a_room_fenced_before_it_opened_is_answered_at_once(sender):
     """A room failed at intake never opens at the sender; an alloc that comes after its
     fence, while the table may still say live, must not wait for a RoomOpened."""
-    from pipeline.protocol import Alloc
+    from ipc.wire import Alloc
 
     s, rooms = sender
     rooms.insert(ROOM, "req", 1, OWNER_INTAKE)

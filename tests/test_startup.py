@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(180)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ["pipeline", "inprocess"]
-MOONCAKE_PORTS = range(15000, 17001)  # the library's default port range (pipeline/transport.py)
+MOONCAKE_PORTS = range(15000, 17001)  # the library's default port range (ipc/transport.py)
 
 
 def serve_cmd(mode: str, prefix: str, where, **flags) -> list[str]:

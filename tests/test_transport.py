@@ -1,4 +1,4 @@
-"""pipeline.transport against the real Mooncake engine over loopback TCP (no mocks).
+"""ipc.transport against the real Mooncake engine over loopback TCP (no mocks).
 
 The receiver runs in a spawned child process, as a prefill rank would: it registers
 a buffer (numpy or a shared-memory segment), reports its session and address over a
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ipc import shm
-from pipeline.transport import Engine, Pending, TransportError
+from ipc.transport import Engine, Pending, TransportError
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,

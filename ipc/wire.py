@@ -6,10 +6,12 @@ patch_dim, the item's span, remembered rooms) are checked by the stages.
 from __future__ import annotations
 
 import re
+import struct
 from collections import Counter
 from dataclasses import dataclass
 
 import msgpack
+import xxhash
 
 VERSION = 1
 U64_MAX = 2**64 - 1
@@ -272,3 +274,16 @@ def parse_bootstrap(msg: dict) -> Register | Alloc | Cancel:
 def status_message(room: int, item: int | None, ok: bool, reason: str = "") -> bytes:
     return encode({"v": VERSION, "type": "status", "room": room, "item": item,
                    "state": "success" if ok else "failed", "reason": "" if ok else reason})
+
+
+def content_hash(modality: str, grid_thw, pixel_dtype: str, pixels) -> int:
+    """64-bit hash of what determines an embedding: the pixel bytes *and* their grid.
+
+    The same bytes under another grid (say [1, 4, 8] and [1, 8, 4]) give other
+    rows, so the grid and dtype go into the hash, not only the bytes.
+    """
+    h = xxhash.xxh3_64()
+    h.update(f"{modality}|{pixel_dtype}|".encode())
+    h.update(struct.pack(f"<{3 * len(grid_thw)}q", *(x for g in grid_thw for x in g)))
+    h.update(pixels)
+    return h.intdigest()

@@ -1,0 +1,57 @@
+"""Counters that stages keep and the supervisor reads: latency histograms with fixed
+buckets, and the bounded class of a free-text failure reason.
+
+Plain Python, no prometheus_client: every stage imports this, and only the process
+that serves the metrics endpoint needs the exporter (pipeline/metrics.py).
+"""
+from __future__ import annotations
+
+from bisect import bisect_left
+
+# Upper bounds (seconds) of every histogram's buckets; +Inf is implicit.
+SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                   1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Histogram:
+    """Counts per bucket (not cumulative; the last is +Inf) and the sum, for a stats() dict."""
+
+    def __init__(self):
+        self.counts = [0] * (len(SECONDS_BUCKETS) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(SECONDS_BUCKETS, seconds)] += 1  # bucket i holds v <= bound i
+        self.sum += seconds
+
+    def snapshot(self) -> dict:
+        return {"counts": list(self.counts), "sum": self.sum}
+
+
+# Failure reasons are free text (room ids, sizes, receiver names in them); a label takes
+# the first class whose words appear in the reason, so the label set stays bounded.
+REASON_CLASSES = [
+    ("deadline", ("deadline exceeded",)),
+    ("canceled", ("canceled",)),
+    ("shutdown", ("worker shutting down", "worker stopped")),
+    ("bootstrap_timeout", ("bootstrap_timeout_s",)),
+    ("stage_died", ("stage died", "died)", "was lost", "were lost", "lost (", "reclaimed")),
+    ("tower_error", ("tower failed",)),
+    ("transfer_error", ("transfer to receiver",)),
+    ("bad_alloc", ("alloc for item", "allocs for item", "shards of item")),
+    ("duplicate_room", ("duplicate room",)),
+    ("table_full", ("room table full",)),
+    ("table_damaged", ("damaged",)),
+    ("over_limit", ("max_live_rooms", "max_pixel_bytes_per_request", "pixel arena holds")),
+    ("unreadable", ("room cannot be read", "not a msgpack message", "message is not a map")),
+    ("bad_request", ("item ", "segment ", "request_id", "deadline_ms", "items must", "intake takes",
+                     "room must", "protocol version", "message type")),
+]
+
+
+def reason_class(reason: str) -> str:
+    """The bounded label for a failure reason: one of REASON_CLASSES' names, or "other"."""
+    for name, words in REASON_CLASSES:
+        if any(w in reason for w in words):
+            return name
+    return "other"
