@@ -19,7 +19,8 @@ import tomllib
 from dataclasses import dataclass, field
 
 from ipc import shm
-from stages.records import STAGES
+from stages.registry import STAGES
+from stages.towers import TOWER_SETTINGS, TOWERS, SettingError
 
 ENV_PREFIX = "EPD_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -37,6 +38,15 @@ def setting(default, help: str):
     return field(default=default, metadata={"help": help})
 
 
+def tower_setting(key: str):
+    """A tower's setting, its default and help as the tower declares them (stages/towers)."""
+    return setting(TOWER_SETTINGS[key].default, TOWER_SETTINGS[key].help)
+
+
+def _one_of(names: list[str]) -> str:
+    return ", ".join(names[:-1]) + " or " + names[-1]
+
+
 @dataclass
 class WorkerConfig:
     shm_prefix: str = setting("epd", "prefix of the worker's shared-memory objects and of the client "
@@ -49,18 +59,18 @@ class WorkerConfig:
     protocol: str = setting("tcp", "Mooncake protocol: tcp, or rdma when configured")
     device: str = setting("", "RDMA device names, when protocol is rdma")
     run_dir: str = setting("", "directory for the worker's sockets (default: /tmp/epd-<shm_prefix>)")
-    tower: str = setting("qwen2.5-vl", "vision tower: sim, qwen2.5-vl or qwen3-vl")
-    tower_config: str = setting("tiny", "qwen towers: 'tiny' (seeded weights) or a checkpoint directory")
-    tower_dtype: str = setting("", "qwen towers: float32, float16 or bfloat16 "
-                                   "(default: float32 on CPU, bfloat16 on CUDA)")
-    sim_hidden: int = setting(3584, "sim tower: hidden size of an embedding row")
-    sim_deepstack_width: int = setting(0, "sim tower: width of the deepstack rows (0: none)")
-    sim_dtype: str = setting("bfloat16", "sim tower: float32, float16 or bfloat16")
-    sim_merge: int = setting(2, "sim tower: spatial merge factor (patches per row side)")
-    sim_patch: int = setting(14, "sim tower: patch side in pixels")
-    sim_temporal_patch: int = setting(2, "sim tower: frames per temporal patch")
-    sim_time_per_row_s: float = setting(2e-6, "sim tower: simulated device time per output row, seconds")
-    sim_fail_batches: int = setting(0, "fault injection: the sim tower fails its first N batches")
+    tower: str = setting("qwen2.5-vl", f"vision tower: {_one_of(list(TOWERS))}")
+    # The towers' own settings: each field is one of TOWER_SETTINGS (a test checks all are here).
+    tower_config: str = tower_setting("tower_config")
+    tower_dtype: str = tower_setting("tower_dtype")
+    sim_hidden: int = tower_setting("sim_hidden")
+    sim_deepstack_width: int = tower_setting("sim_deepstack_width")
+    sim_dtype: str = tower_setting("sim_dtype")
+    sim_merge: int = tower_setting("sim_merge")
+    sim_patch: int = tower_setting("sim_patch")
+    sim_temporal_patch: int = tower_setting("sim_temporal_patch")
+    sim_time_per_row_s: float = tower_setting("sim_time_per_row_s")
+    sim_fail_batches: int = tower_setting("sim_fail_batches")
     max_items_per_request: int = setting(64, "a request with more items fails at intake")
     max_pixel_bytes_per_request: int = setting(256 << 20, "a request with more pixel bytes fails at intake")
     max_tokens_per_batch: int = setting(4096, "scheduler: output rows per tower batch at most")
@@ -88,7 +98,7 @@ class WorkerConfig:
                                         "('' for none)")
     numa: str = setting("auto", "NUMA placement: auto (the node nearest the tower's GPU), off, a node number, "
                                 "or per stage: 'tower=1,sender=1,*=0'")
-    gpu: int = setting(0, "the CUDA device the tower uses (qwen towers on a CUDA machine)")
+    gpu: int = tower_setting("gpu")
     log_level: str = setting("WARNING", "DEBUG, INFO, WARNING or ERROR, for the supervisor and every "
                                         "stage process")
 
@@ -108,18 +118,20 @@ class WorkerConfig:
         positive = [
             "max_items_per_request", "max_pixel_bytes_per_request", "max_tokens_per_batch",
             "max_items_per_batch", "pixel_arena_bytes", "embedding_arena_bytes",
-            "max_tombstones", "max_live_rooms", "max_held_allocs", "sim_hidden", "sim_merge",
-            "sim_patch", "sim_temporal_patch", "status_hwm", "ring_bytes", "restart_limit",
+            "max_tombstones", "max_live_rooms", "max_held_allocs", "status_hwm", "ring_bytes",
+            "restart_limit",
         ]
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}", name)
+        for s in TOWER_SETTINGS.values():
+            if s.minimum is not None and getattr(self, s.key) < s.minimum:
+                raise ConfigError(f"{s.key} must be >= {s.minimum}, got {getattr(self, s.key)}", s.key)
         for name in ["bootstrap_timeout_s", "tombstone_ttl_s", "heartbeat_timeout_s",
                      "restart_window_s", "start_timeout_s"]:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}", name)
-        for name in ["arena_cache_bytes", "host_cache_bytes", "sim_deepstack_width", "sim_time_per_row_s",
-                     "drain_timeout_s", "sim_fail_batches", "gpu"]:
+        for name in ["arena_cache_bytes", "host_cache_bytes", "drain_timeout_s"]:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}", name)
         if self.arena_cache_bytes > self.embedding_arena_bytes // 2:
@@ -129,17 +141,17 @@ class WorkerConfig:
                 "arena_cache_bytes")
         choices = {
             "protocol": ("tcp", "rdma"),
-            "sim_dtype": ("float32", "float16", "bfloat16"),
-            "tower_dtype": ("", "float32", "float16", "bfloat16"),
-            "tower": ("sim", "qwen2.5-vl", "qwen3-vl"),
+            **{s.key: s.choices for s in TOWER_SETTINGS.values() if s.choices},
+            "tower": tuple(TOWERS),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 shown = ", ".join(repr(a) for a in allowed)
                 raise ConfigError(f"{name} must be one of {shown}, got {getattr(self, name)!r}", name)
-        if self.tower != "sim" and self.tower_config != "tiny" and not os.path.isdir(self.tower_config):
-            raise ConfigError(f"tower_config must be 'tiny' or a checkpoint directory; {self.tower_config!r} "
-                              f"is not a directory", "tower_config")
+        try:
+            self.tower_settings()
+        except SettingError as e:
+            raise ConfigError(str(e), e.key) from None
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}",
                               "log_level")
@@ -156,22 +168,9 @@ class WorkerConfig:
         return self
 
     def tower_settings(self) -> dict:
-        if self.tower == "sim":
-            return dict(
-                hidden=self.sim_hidden, deepstack_width=self.sim_deepstack_width,
-                dtype=self.sim_dtype, merge=self.sim_merge, patch=self.sim_patch,
-                temporal_patch=self.sim_temporal_patch, time_per_row_s=self.sim_time_per_row_s,
-                fail_batches=self.sim_fail_batches,
-            )
-        settings = {}
-        if os.path.isdir(self.tower_config):
-            settings["checkpoint"] = self.tower_config
-        else:
-            settings["config"] = self.tower_config
-        if self.tower_dtype:
-            settings["dtype"] = self.tower_dtype
-        settings["gpu"] = self.gpu
-        return settings
+        """The keyword arguments of build_tower(self.tower, ...), from the chosen tower's settings."""
+        tower = TOWERS[self.tower]
+        return tower.tower_kwargs({s.key: getattr(self, s.key) for s in tower.settings})
 
 
 def parse_numa(text: str) -> str | dict[str, int]:

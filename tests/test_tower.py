@@ -1,8 +1,12 @@
 """Vision towers: batching against transformers' own modules, the sim tower against an
-independent re-implementation of its row formula, failures, and row counts."""
+independent re-implementation of its row formula, failures, row counts, and the
+registry the configuration reads."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -12,15 +16,17 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stages.tower import (
+from stages.towers import (
+    TOWER_SETTINGS,
+    TOWERS,
     Tower,
     TowerError,
     TowerInputError,
     TowerItem,
     TowerSpec,
     build_tower,
-    sim_rows,
 )
+from stages.towers.sim import sim_rows
 
 NP = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -389,3 +395,45 @@ def test_spec_and_factory_validation():
         TowerSpec("x", 0, 0, "float32", 2, 1176, 2, 14)
     with pytest.raises(ValueError):
         build_tower("qwen3-vl")  # neither config nor checkpoint
+
+
+# ----------------------------------------------------------------------------- registry, settings
+
+
+def test_every_tower_setting_is_a_config_key():
+    from pipeline.config import FIELDS
+
+    for tower in TOWERS.values():
+        for s in tower.settings:
+            assert TOWER_SETTINGS[s.key] == s, f"{tower.__name__} and another tower declare {s.key} apart"
+            f = FIELDS[s.key]
+            assert (f.default, f.type, f.metadata["help"]) == (s.default, type(s.default).__name__, s.help)
+
+
+def test_config_defaults_build_the_sim_towers_defaults():
+    from pipeline.config import WorkerConfig
+
+    assert build_tower("sim", **WorkerConfig(tower="sim").tower_settings()).spec == build_tower("sim").spec
+
+
+def test_qwen_tower_settings(tmp_path):
+    from pipeline.config import WorkerConfig
+
+    cfg = WorkerConfig(tower="qwen3-vl", gpu=1)
+    assert cfg.tower_settings() == {"config": "tiny", "gpu": 1}
+    cfg = WorkerConfig(tower="qwen2.5-vl", tower_config=str(tmp_path), tower_dtype="float16")
+    assert cfg.tower_settings() == {"checkpoint": str(tmp_path), "dtype": "float16", "gpu": 0}
+
+
+def test_only_the_tower_process_imports_torch():
+    """The registry, the configuration, the tower stage and a sim tower leave torch unloaded:
+    only a qwen tower, built in the tower process, loads it."""
+    code = ("import sys\n"
+            "import pipeline.config, stages.tower\n"
+            "from stages.towers import build_tower\n"
+            "build_tower('sim', **pipeline.config.WorkerConfig(tower='sim').tower_settings())\n"
+            "print(sorted({'torch', 'transformers', 'safetensors'} & set(sys.modules)))\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]"

@@ -311,7 +311,7 @@ def test_tiny_qwen_rows_arrive_as_the_tower_made_them(env, name):
     """In-process the rows are compared bit for bit with what the worker's own tower
     wrote; in the pipeline (the tower lives in another process) with the same seeded
     tower run here on the item alone, within float32 rounding."""
-    from stages.tower import build_tower
+    from stages.towers import build_tower
 
     tower = build_tower(name, config="tiny")
     made = {}
@@ -347,7 +347,7 @@ def test_tiny_qwen_rows_arrive_as_the_tower_made_them(env, name):
         span = sum(t * h * ww for t, h, ww in it.grid_thw) // spec.merge ** 2
         outs = [(np.empty((span, spec.hidden), np.float32),
                  np.empty((span, spec.deepstack_width), np.float32) if spec.deepstack_width else None)]
-        from stages.tower import TowerItem
+        from stages.towers import TowerItem
 
         real_start([TowerItem(it.modality, [tuple(g) for g in it.grid_thw], it.pixels)], outs).result()
         np.testing.assert_allclose(main, outs[0][0], rtol=1e-5, atol=1e-6)
