@@ -670,7 +670,7 @@ class Chaos:
         live = self.w.sup.live_rooms()
         if live:
             self.violation(f"{len(live)} rooms still live in the worker after settling: " + ", ".join(
-                f"{e.room} ({e.state.name}, custody bits {e.owner:#x}, items {e.items_done}/{e.items_total})"
+                f"{e.room} ({e.state.name}, custody bits {e.holders:#x}, items {e.items_done}/{e.items_total})"
                 for e in live[:10]))
         stats = self.w.stats()
         for key in ("sender_live_rooms", "sender_held_allocs", "sender_early_items", "scheduler_pending"):

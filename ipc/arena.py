@@ -18,11 +18,9 @@ Metadata (all in the ``.meta`` segment)::
               length i64, refs u32[max_leases, max_owners]
     block map u8[nblocks]: 0 free, 1 used; *derived* from the live leases
 
-Locking: every mutation (and every read that must be exact) holds an exclusive
-``flock`` on a private open file description of the ``.meta`` segment, one per
-process (re-opened in a forked child, so a parent's lock is never "shared" with
-its child), under a per-object thread lock. The kernel drops a flock when its
-holder dies, however it dies.
+Locking: every mutation (and every read that must be exact) holds the ``.meta``
+segment's ``SegmentLock``, which the kernel drops when its holder dies, however it
+dies.
 
 Crash consistency (a holder SIGKILLed anywhere):
 
@@ -44,18 +42,15 @@ Crash consistency (a holder SIGKILLed anywhere):
 """
 from __future__ import annotations
 
-import fcntl
-import os
-import threading
-import weakref
 from operator import index as _index
 from typing import NamedTuple
 
 import numpy as np
 
 from . import shm
+from .segment_lock import SegmentLock
 
-__all__ = ["Arena", "ArenaFull", "Lease", "SegmentLock", "StaleLease"]
+__all__ = ["Arena", "ArenaFull", "Lease", "StaleLease"]
 
 
 class ArenaFull(RuntimeError):
@@ -111,74 +106,6 @@ def _layout(nblocks: int, max_leases: int, max_owners: int) -> dict[str, int]:
         pos += nbytes
     off["total"] = _align(pos, 4096)
     return off
-
-
-class SegmentLock:
-    """An exclusive lock on a shared-memory segment, between processes and threads.
-
-    ``flock`` on a private open file description of the segment (``/proc/self/fd``
-    re-opens it even after the name is unlinked), so it excludes other processes
-    and other objects in this process alike, and the kernel drops it when the
-    holder dies, however it dies. A thread lock on top orders this object's
-    threads. In a forked child the inherited description (which shares the
-    parent's lock) is closed and a fresh one opened, so a child never holds or
-    keeps alive its parent's lock.
-    """
-
-    def __init__(self, seg: shm.Segment):
-        self._seg = seg
-        self._t = threading.Lock()
-        self._fd = self._open()
-        _locks.add(self)
-
-    def _open(self) -> int:
-        return os.open(f"/proc/self/fd/{self._seg.fileno()}", os.O_RDWR | os.O_CLOEXEC)
-
-    def acquire(self) -> None:
-        if self._fd < 0:
-            raise ValueError(f"lock of {self._seg.name!r} is closed")
-        self._t.acquire()
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-        except BaseException:
-            self._t.release()
-            raise
-
-    def release(self) -> None:
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-        finally:
-            self._t.release()
-
-    def _after_fork(self) -> None:
-        if self._fd < 0:
-            return
-        self._t = threading.Lock()
-        try:
-            os.close(self._fd)
-        except OSError:
-            pass
-        self._fd = self._open()
-
-    def close(self) -> None:
-        _locks.discard(self)
-        if self._fd >= 0:
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
-            self._fd = -1
-
-
-_locks: "weakref.WeakSet[SegmentLock]" = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for lock in list(_locks):
-        lock._after_fork()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Arena:
@@ -603,24 +530,6 @@ class Arena:
         finally:
             self._release()
 
-    def free_bytes(self) -> int:
-        self._acquire()
-        try:
-            return (self.nblocks - self._h[_H_USED]) * self.block_size
-        finally:
-            self._release()
-
-    def largest_free(self) -> int:
-        """Bytes in the longest run of free blocks: the largest lease alloc can grant now."""
-        self._acquire()
-        try:
-            free = np.concatenate(([0], self._n_map == 0, [0])).astype(np.int8)
-            d = np.diff(free)
-            runs = np.flatnonzero(d == -1) - np.flatnonzero(d == 1)
-            return int(runs.max()) * self.block_size if runs.size else 0
-        finally:
-            self._release()
-
     def live_leases(self) -> list[Lease]:
         """Every live lease, by offset."""
         self._acquire()
@@ -629,52 +538,6 @@ class Arena:
             idx = idx[np.argsort(self._n_start[idx], kind="stable")]
             bs = self.block_size
             return [Lease(s, self._gen[s], self._start[s] * bs, self._len[s]) for s in idx.tolist()]
-        finally:
-            self._release()
-
-    def _snapshot(self) -> dict[Lease, dict[int, int]]:
-        """Every live lease with its references (owner -> count), taken atomically."""
-        self._acquire()
-        try:
-            out = {}
-            bs = self.block_size
-            for s in np.flatnonzero(self._n_state == _LIVE).tolist():
-                row = self._n_refs[s]
-                out[Lease(s, self._gen[s], self._start[s] * bs, self._len[s])] = {
-                    int(o): int(row[o]) for o in np.flatnonzero(row)}
-            return out
-        finally:
-            self._release()
-
-    def _check(self) -> list[str]:
-        """Consistency problems (for tests and diagnostics); [] when sound."""
-        self._acquire()
-        try:
-            problems = []
-            if self._h[_H_SEQ] & 1 or self._h[_H_JSLOT] != -1:
-                problems.append("mutation marker left set")
-            state = self._n_state
-            if ((state != _LIVE) & (state != _FREE)).any():
-                problems.append("bad state bytes")
-            idx = np.flatnonzero(state == _LIVE)
-            starts, counts = self._n_start[idx], self._n_nblk[idx]
-            if ((starts < 0) | (counts <= 0) | (starts + counts > self.nblocks)).any():
-                return problems + ["lease out of bounds"]
-            cover = self._coverage(starts, counts)
-            if cover.size and cover.max() > 1:
-                problems.append("live leases overlap")
-            if not np.array_equal(self._n_map != 0, cover > 0):
-                problems.append("block map differs from the lease table")
-            if self._h[_H_USED] != int(counts.sum()):
-                problems.append(f"used blocks {self._h[_H_USED]} != {int(counts.sum())}")
-            if self._h[_H_LIVE] != idx.size:
-                problems.append(f"live count {self._h[_H_LIVE]} != {idx.size}")
-            if (self._n_refs[idx].sum(axis=1, dtype=np.uint64) == 0).any():
-                problems.append("live lease without references")
-            lens = np.frombuffer(self._mm, np.int64, self.max_leases, self._lay["length"])[idx]
-            if ((lens <= 0) | (-(-lens // self.block_size) != counts)).any():
-                problems.append("lease length does not match its blocks")
-            return problems
         finally:
             self._release()
 

@@ -10,21 +10,15 @@ Segment ``<prefix>-<run id>-<what>``, all integers little-endian u64::
     byte 512   data           ``capacity`` bytes
 
 plus two semaphores, ``<what>.data`` (wakes a sleeping consumer) and ``<what>.space``
-(wakes a sleeping producer).  A consumer of several rings may instead give them all
-one "doorbell" semaphore of its own in place of their data semaphores, and sleep on
-it in ``wait_any``.
+(wakes a sleeping producer), or a consumer's doorbell in place of the data semaphore
+(ipc.sleepers).
 
 Records.  ``head`` and ``tail`` are monotonic byte indices (never wrapped); index
-``i`` lives at ``data[i % capacity]``.  A record is a 5-byte header -- the tag byte
-0x42 and the payload length as u32 -- then the payload.  A record that runs past the
-end of the buffer continues at its start (it is copied in two parts), so all of
-``capacity`` is usable and the largest record is ``capacity - 5`` bytes.  The header
-is on purpose pickle's BINBYTES opcode: a run of records, framed as
-``PROTO EMPTY_LIST MARK <records> APPENDS STOP``, is a pickle of the list of their
-payloads, so a batch pop splits a copied-out region into ``bytes`` objects in C
-(``pickle.loads``) instead of a Python loop, and checks that the sizes add up.  (The
-segment is mode 0600: only a process of our own user, which could do anything as
-us anyway, can write what that parser reads.)
+``i`` lives at ``data[i % capacity]``.  A record (ipc.framing: a 5-byte header, then
+the payload) that runs past the end of the buffer continues at its start (it is
+copied in two parts), so all of ``capacity`` is usable and the largest record is
+``capacity - 5`` bytes.  A batch pop copies a run of records out and splits it with
+one ``pickle.loads``.
 
 Publishing.  The producer copies headers and payloads into free space first and
 only then stores the new ``head``: one aligned 8-byte store.  Header words are
@@ -48,7 +42,7 @@ done.  (The C compiler cannot reorder them either: each copy and each index stor
 is a separate call from the interpreter.  A weakly ordered CPU would need release
 stores and acquire loads, which CPython cannot express; this module assumes x86-64.)
 The one reordering TSO does allow -- a store followed by a load of another location
--- is the one the sleeper protocol below must rule out, hence its explicit fences.
+-- is the one the sleeper handshake must rule out, hence its explicit fences.
 
 Counters.  ``pushed``/``popped`` (records) cannot share one store with
 ``head``/``tail``, so each side first brings ``pushed`` up to date if a predecessor
@@ -58,40 +52,29 @@ counter is ``pend_pushed`` when ``head == pend_head`` and ``pushed`` otherwise, 
 is right after a SIGKILL anywhere in that sequence.  Read by the other side while a
 call is in progress, the counters are a snapshot.
 
-Sleeping.  Semaphores (posix_ipc) only wake sleepers; the indices are the truth.  A
-consumer with nothing to read stores a "waiting" flag (carrying a ticket number),
-issues a full fence, re-checks ``head``, and only then waits on the data semaphore,
-for at most ``WAIT_SLICE`` seconds at a time.  The producer, after storing ``head``,
-issues a full fence, loads the flag, and posts only if the consumer is waiting and
-it has not posted for that ticket yet: at most one post per sleep, however many
-records follow.  The space side mirrors it.  That is Dekker's pattern: without the
-fences each side's store could still sit in its store buffer while it loads the
-other's stale value, both would miss each other, and the sleeper would sleep a
-whole slice.  Waiters re-check the indices after every wake-up and every slice, so a
-lost post costs at most one slice and an extra post one spurious re-check; neither
-can hang a waiter or conjure a record.
+Sleeping.  A consumer with nothing to read, or a producer without room, sleeps on
+a semaphore until the other side moves its index: the handshake is ipc.sleepers'.
+Each side's waiting flag and sleep count are in its own line.
 """
 from __future__ import annotations
 
 import os
-import pickle
-import struct
-import threading
 import time
 from bisect import bisect_right
-from itertools import accumulate, chain
+from itertools import accumulate
 
 import posix_ipc
 
 from ipc import shm
+from ipc.framing import RECORD_HEADER, RECORD_TAG, as_bytes_like, frame, header_of, pack_header, \
+    unframe, unpack_u32
+from ipc.sleepers import sleep_until, wake
+from ipc.sleepers import wait_any as _wait_any
 
-__all__ = ["Ring", "RingError", "RecordTooLarge", "RECORD_HEADER", "WAIT_SLICE", "wait_any"]
+__all__ = ["Ring", "RingError", "RecordTooLarge", "RECORD_HEADER", "wait_any"]
 
 MAGIC = 0x32474E4952445045  # b"EPDRING2" little-endian
 VERSION = 2
-RECORD_HEADER = 5  # tag byte + u32 payload length
-RECORD_TAG = 0x42  # pickle BINBYTES
-WAIT_SLICE = 0.1  # longest single semaphore wait; waiters re-check the indices after each
 MIN_CAPACITY = 16
 MAX_CAPACITY = 1 << 40
 DATA_OFFSET = 512
@@ -110,29 +93,8 @@ _PARSE_LIMIT = 1 << 20
 # instead of being joined into one buffer first.
 _JOIN_MAX_AVG = 4096
 
-_pack_header = struct.Struct("<BI").pack
 _add_header = RECORD_HEADER.__add__
-_unpack_u32 = struct.Struct("<I").unpack_from
-_PICKLE_HEAD = b"\x80\x04]("  # PROTO 4, EMPTY_LIST, MARK
-_PICKLE_TAIL = b"e."  # APPENDS, STOP
-_loads = pickle.loads
 _monotonic = time.monotonic
-_BusyError = posix_ipc.BusyError
-_SignalError = posix_ipc.SignalError
-
-
-class _Headers(dict):
-    """Record headers by payload size; small sizes are kept (a C-speed map in batches)."""
-
-    def __missing__(self, n: int) -> bytes:
-        h = _pack_header(RECORD_TAG, n)
-        if n < 4096:
-            self[n] = h
-        return h
-
-
-_headers = _Headers()
-_header_of = _headers.__getitem__
 
 
 class RingError(RuntimeError):
@@ -141,39 +103,6 @@ class RingError(RuntimeError):
 
 class RecordTooLarge(ValueError):
     """A record is larger than the ring's ``max_record``."""
-
-
-# --- full memory fence ------------------------------------------------------------
-# CPython has no fence primitive.  Acquiring and releasing an uncontended
-# threading.Lock runs sem_trywait + sem_post in glibc, i.e. a `lock cmpxchg` and a
-# `lock`-prefixed add; on x86 every locked instruction is a full barrier, so no
-# store before it can be reordered with a load after it.  That is what the sleeper
-# handshake needs between "store my flag / my index" and "load the other side's
-# index / flag".  The lock guards nothing else and is never held, so it never blocks.
-_fence_lock = threading.Lock()
-_fence_acquire = _fence_lock.acquire
-_fence_release = _fence_lock.release
-
-
-def _reset_fence_after_fork() -> None:
-    # a fork while another thread was inside the fence would copy a held lock
-    global _fence_lock, _fence_acquire, _fence_release
-    _fence_lock = threading.Lock()
-    _fence_acquire = _fence_lock.acquire
-    _fence_release = _fence_lock.release
-
-
-os.register_at_fork(after_in_child=_reset_fence_after_fork)
-
-
-def _as_bytes_like(record):
-    """``record`` as an object whose len() is its size in bytes."""
-    if isinstance(record, (bytes, bytearray)):
-        return record
-    mv = memoryview(record)
-    if mv.format != "B" or mv.ndim != 1:
-        mv = mv.cast("B")
-    return mv
 
 
 def _names(prefix: str, run_id: str, what: str, doorbell: str | None = None) -> tuple[str, str, str]:
@@ -317,11 +246,6 @@ class Ring:
         """Records published and not yet released (exact while neither side is mid-call)."""
         return self._pushed() - self._popped()
 
-    def used(self) -> int:
-        """Bytes, headers included, between tail and head."""
-        q = self._q
-        return q[_HEAD] - q[_TAIL]
-
     def stats(self) -> dict:
         q = self._q
         pushed, popped = self._pushed(), self._popped()
@@ -371,11 +295,11 @@ class Ring:
         if p + RECORD_HEADER <= cap:
             d = self._data
             if d[p] == RECORD_TAG:
-                return _unpack_u32(d, p + 1)[0]
+                return unpack_u32(d, p + 1)[0]
         else:
             hdr = self._read(index, RECORD_HEADER)
             if hdr[0] == RECORD_TAG:
-                return _unpack_u32(hdr, 1)[0]
+                return unpack_u32(hdr, 1)[0]
         q = self._q
         raise RingError(
             f"ring {self.name!r} is corrupt: no record header at index {index} "
@@ -404,63 +328,20 @@ class Ring:
         q[_PEND_HEAD] = new_head
         q[_PEND_PUSHED] = pushed
         q[_HEAD] = new_head  # THE publish: one aligned 8-byte store, after every payload byte
-        _fence_acquire()  # full fence: the head store before the flag load (module doc)
-        _fence_release()
-        f = q[_CWAIT]
-        if f & 1 and f != self._data_posted_for:
-            self._data_posted_for = f
-            self._data_sem.release()
-            q[_DATA_POSTS] += 1
+        self._data_posted_for = wake(q, _CWAIT, self._data_posted_for, self._data_sem, _DATA_POSTS)
         q[_PUSHED] = pushed
 
     def _wait_space(self, need: int, timeout: float | None) -> bool:
         """Wait until ``need`` bytes are free; False on timeout."""
         q, cap = self._q, self.capacity
-        return self._sleep_until(lambda: cap - (q[_HEAD] - q[_TAIL]) >= need, timeout,
-                                 _PWAIT, _PSLEEPS, self._space_sem)
-
-    def _sleep_until(self, ready, timeout: float | None, flag: int, sleeps: int, sem) -> bool:
-        """The sleeper's half of the handshake (module doc), for either side: raise the
-        ``flag`` word, fence, re-check ``ready()``, and only then sleep on ``sem``, a slice
-        at a time, re-checking after every wake-up. False once ``timeout`` has passed."""
-        if ready():
-            return True
-        if timeout is not None:
-            if timeout <= 0:
-                return False
-            deadline = _monotonic() + timeout
-        q = self._q
-        while True:
-            ticket = (q[flag] >> 1) + 1
-            q[flag] = (ticket << 1) | 1
-            _fence_acquire()  # full fence: the flag store before the index load
-            _fence_release()
-            if ready():
-                q[flag] = ticket << 1
-                return True
-            if timeout is None:
-                wait = WAIT_SLICE
-            else:
-                wait = deadline - _monotonic()
-                if wait <= 0:
-                    q[flag] = ticket << 1
-                    return False
-                if wait > WAIT_SLICE:
-                    wait = WAIT_SLICE
-            q[sleeps] += 1
-            try:
-                sem.acquire(wait)
-            except (_BusyError, _SignalError):
-                pass
-            q[flag] = ticket << 1
-            if ready():
-                return True
+        return sleep_until(q, lambda: cap - (q[_HEAD] - q[_TAIL]) >= need, timeout,
+                           _PWAIT, _PSLEEPS, self._space_sem)
 
     def push(self, record, timeout: float | None = 0.0) -> bool:
         """Append one record; False if it did not fit within ``timeout`` seconds (0:
         don't wait, None: wait for ever).  Never overwrites unconsumed records."""
         if type(record) is not bytes:
-            record = _as_bytes_like(record)
+            record = as_bytes_like(record)
         n = len(record)
         if n > self.max_record:
             raise self._too_large(n)
@@ -470,9 +351,9 @@ class Ring:
         if self.capacity - (head - q[_TAIL]) < need and not self._wait_space(need, timeout):
             return False
         if n <= _JOIN_MAX_AVG:
-            self._write(head, _header_of(n) + record, need)
+            self._write(head, header_of(n) + record, need)
         else:
-            self._write(head, _pack_header(RECORD_TAG, n), RECORD_HEADER)
+            self._write(head, pack_header(RECORD_TAG, n), RECORD_HEADER)
             self._write(head + RECORD_HEADER, record, n)
         self._publish(head + need, 1)
         return True
@@ -486,7 +367,7 @@ class Ring:
         if not total:
             return 0
         if not set(map(type, records)) <= {bytes, bytearray}:
-            records = [_as_bytes_like(r) for r in records]
+            records = [as_bytes_like(r) for r in records]
         lens = list(map(len, records))
         nbytes = sum(lens)
         if nbytes > self.max_record:  # else no record can be too large
@@ -533,16 +414,11 @@ class Ring:
     def _write_records(self, head: int, records, lens, nbytes: int) -> None:
         k = len(lens)
         if nbytes <= _JOIN_MAX_AVG * k:
-            n = lens[0]
-            if lens.count(n) == k:  # all one size: the header is a separator
-                blob = _header_of(n).join([b"", *records])
-            else:
-                blob = b"".join(chain.from_iterable(zip(map(_header_of, lens), records)))
-            self._write(head, blob, nbytes)
+            self._write(head, frame(records, lens), nbytes)
         else:
             at = head
             for rec, n in zip(records, lens):
-                self._write(at, _pack_header(RECORD_TAG, n), RECORD_HEADER)
+                self._write(at, pack_header(RECORD_TAG, n), RECORD_HEADER)
                 self._write(at + RECORD_HEADER, rec, n)
                 at += RECORD_HEADER + n
 
@@ -552,8 +428,7 @@ class Ring:
         q = self._q
         if q[_HEAD] != q[_TAIL]:  # the common case, without building a closure
             return True
-        return self._sleep_until(lambda: q[_HEAD] != q[_TAIL], timeout,
-                                 _CWAIT, _CSLEEPS, self._data_sem)
+        return sleep_until(q, lambda: q[_HEAD] != q[_TAIL], timeout, _CWAIT, _CSLEEPS, self._data_sem)
 
     def _release(self, tail: int, end: int, count: int) -> None:
         q = self._q
@@ -564,13 +439,7 @@ class Ring:
         q[_PEND_TAIL] = end
         q[_PEND_POPPED] = popped
         q[_TAIL] = end  # one aligned 8-byte store, after every read of that space
-        _fence_acquire()  # full fence: the tail store before the flag load
-        _fence_release()
-        f = q[_PWAIT]
-        if f & 1 and f != self._space_posted_for:
-            self._space_posted_for = f
-            self._space_sem.release()
-            q[_SPACE_POSTS] += 1
+        self._space_posted_for = wake(q, _PWAIT, self._space_posted_for, self._space_sem, _SPACE_POSTS)
         q[_POPPED] = popped
         if self._rd_at == tail:  # keep the parsed records in step
             i = self._rd_i + count
@@ -596,7 +465,7 @@ class Ring:
         d = self._data
         p = tail % cap + RECORD_HEADER
         if p <= cap and d[p - RECORD_HEADER] == RECORD_TAG:
-            n = _unpack_u32(d, p - 4)[0]
+            n = unpack_u32(d, p - 4)[0]
         else:
             n = self._len_at(tail)
         end = tail + RECORD_HEADER + n
@@ -681,17 +550,10 @@ class Ring:
         p = tail % cap
         e = p + take
         d = self._data
-        if e <= cap:
-            data = b"".join((_PICKLE_HEAD, d[p:e], _PICKLE_TAIL))
-        else:
-            data = b"".join((_PICKLE_HEAD, d[p:cap], d[: e - cap], _PICKLE_TAIL))
         try:
-            out = _loads(data)
-            ok = type(out) is list and RECORD_HEADER * len(out) + sum(map(len, out)) == take
-        except Exception as exc:
-            raise self._corrupt(tail, f"records do not parse ({exc!r})") from exc
-        if not ok:
-            raise self._corrupt(tail, f"records between it and index {tail + take} do not add up")
+            out = unframe((d[p:e],) if e <= cap else (d[p:cap], d[: e - cap]), take)
+        except ValueError as exc:
+            raise self._corrupt(tail, f"records between it and index {tail + take} {exc}") from exc
         if len(out) > max_records:
             self._rd_recs = out
             self._rd_i = 0
@@ -707,7 +569,7 @@ class Ring:
         while at + RECORD_HEADER <= limit:
             if data[at] != RECORD_TAG:
                 raise self._corrupt(tail + at, "no record header")
-            nxt = at + RECORD_HEADER + _unpack_u32(data, at + 1)[0]
+            nxt = at + RECORD_HEADER + unpack_u32(data, at + 1)[0]
             if nxt > limit:
                 break
             at = nxt
@@ -789,30 +651,5 @@ class Ring:
 
 def wait_any(rings: list, doorbell, timeout: float) -> bool:
     """Sleep until one of ``rings`` (all created with ``doorbell``) holds a record, or
-    ``timeout`` seconds pass. The same Dekker handshake as one ring's wait: flag every
-    ring, fence, re-check every ring, and only then sleep on the shared doorbell."""
-    for r in rings:
-        if r._q[_HEAD] != r._q[_TAIL]:
-            return True
-    if timeout <= 0:
-        return False
-    tickets = []
-    for r in rings:
-        q = r._q
-        ticket = (q[_CWAIT] >> 1) + 1
-        q[_CWAIT] = (ticket << 1) | 1
-        tickets.append(ticket)
-    _fence_acquire()
-    _fence_release()
-    try:
-        for r in rings:
-            if r._q[_HEAD] != r._q[_TAIL]:
-                return True
-        try:
-            doorbell.acquire(min(timeout, WAIT_SLICE))
-        except (_BusyError, _SignalError):
-            pass
-        return any(r._q[_HEAD] != r._q[_TAIL] for r in rings)
-    finally:
-        for r, ticket in zip(rings, tickets):
-            r._q[_CWAIT] = ticket << 1
+    ``timeout`` seconds pass."""
+    return _wait_any([r._q for r in rings], doorbell, timeout, _HEAD, _TAIL, _CWAIT)

@@ -1,4 +1,4 @@
-"""Fixed-capacity table of rooms in shared memory: state, owner and items of each live room.
+"""Fixed-capacity table of rooms in shared memory: state, holders and items of each live room.
 
 Any process reads it without locking; writers serialise on one table-wide lock
 (``SegmentLock``: a ``flock`` the kernel drops when its holder dies). An update
@@ -21,9 +21,10 @@ publishes it with one aligned 4-byte store of ``seq + 1``. So:
   repaired under the lock: a live room whose record is lost is concluded FAILED.
 
 Records carry ``time.monotonic()`` stamps (system-wide on Linux, so comparable
-across processes). Contiguous columns hold each copy's room, state and owner,
-written with the copy before it is published, so ``find``/``owned_by``/``insert``
-scan them with numpy (both copies) and then verify the few candidates' records.
+across processes). Contiguous columns hold each copy's room, state and holders,
+written with the copy before it is published, so ``find``/``held_by``/``insert``
+scan them with numpy and then verify the few candidates' records. ``holders`` is a
+custody bit mask: bit ``i`` set while stage ``i`` holds some of the room's items.
 ``room`` is an unsigned 64-bit id (the protocol's); ``request_id`` (128 UTF-8 bytes)
 and ``reason`` (256) are cut with '…' when longer.
 """
@@ -39,7 +40,7 @@ from operator import index as _index
 import numpy as np
 
 from . import shm
-from .arena import SegmentLock
+from .segment_lock import SegmentLock
 
 __all__ = ["RoomEntry", "RoomState", "RoomTable", "TableFull"]
 
@@ -67,7 +68,7 @@ class RoomEntry:
     room: int
     request_id: str
     state: RoomState
-    owner: int
+    holders: int
     items_total: int
     items_done: int
     reason: str
@@ -90,10 +91,10 @@ _HDR = 64
 
 
 def _layout(capacity: int) -> dict[str, int]:
-    """Segment layout: header, seq u32[cap], columns room u64 / owner i32 / state u8 [cap, 2],
+    """Segment layout: header, seq u32[cap], columns room u64 / holders i32 / state u8 [cap, 2],
     records [cap, 2] of _REC bytes."""
     off, pos = {}, _HDR
-    for name, nbytes in (("seq", 4 * capacity), ("room", 16 * capacity), ("owner", 8 * capacity),
+    for name, nbytes in (("seq", 4 * capacity), ("room", 16 * capacity), ("holders", 8 * capacity),
                          ("state", 2 * capacity), ("rec", 2 * _REC * capacity)):
         pos = (pos + 63) // 64 * 64
         off[name] = pos
@@ -103,7 +104,7 @@ def _layout(capacity: int) -> dict[str, int]:
 
 
 # body field indices (after ver)
-_ROOM, _STATE, _RIDLEN, _REASONLEN, _OWNER, _TOTAL, _DONE, _DEADLINE, _CREATED, _CONCLUDED, _RID, _REASON = range(12)
+_ROOM, _STATE, _RIDLEN, _REASONLEN, _HOLDERS, _TOTAL, _DONE, _DEADLINE, _CREATED, _CONCLUDED, _RID, _REASON = range(12)
 _U64 = (0, 2**64 - 1)
 _I32 = (-(2**31), 2**31 - 1)
 _U32_MAX = 2**32 - 1
@@ -194,12 +195,12 @@ class RoomTable:
         self._hdr = mv[:_HDR].cast("Q")
         self._seqv = mv[lay["seq"]:lay["seq"] + 4 * cap].cast("I")
         self._roomv = mv[lay["room"]:lay["room"] + 16 * cap].cast("Q")
-        self._ownerv = mv[lay["owner"]:lay["owner"] + 8 * cap].cast("i")
+        self._holdersv = mv[lay["holders"]:lay["holders"] + 8 * cap].cast("i")
         self._statev = mv[lay["state"]:lay["state"] + 2 * cap]
         self._rec0 = lay["rec"]
         self._seq = np.frombuffer(mm, np.uint32, cap, lay["seq"])
         self._rooms = np.frombuffer(mm, np.uint64, 2 * cap, lay["room"]).reshape(cap, 2)
-        self._owners = np.frombuffer(mm, np.int32, 2 * cap, lay["owner"]).reshape(cap, 2)
+        self._holders = np.frombuffer(mm, np.int32, 2 * cap, lay["holders"]).reshape(cap, 2)
         self._states = np.frombuffer(mm, np.uint8, 2 * cap, lay["state"]).reshape(cap, 2)
         self._lock = SegmentLock(seg)
         self._closed = False
@@ -253,7 +254,7 @@ class RoomTable:
         mv = self._mv
         # The inactive copy's index columns first (hints, verified against records) ...
         self._roomv[c] = fields[_ROOM]
-        self._ownerv[c] = fields[_OWNER]
+        self._holdersv[c] = fields[_HOLDERS]
         self._statev[c] = fields[_STATE]
         # ... then its record, body before crc ...
         mv[off + 4:off + _REC] = body
@@ -295,7 +296,7 @@ class RoomTable:
         e = _new_entry(RoomEntry)
         e.__dict__.update(
             slot=slot, room=f[_ROOM], request_id=f[_RID][:f[_RIDLEN]].decode("utf-8", "replace"),
-            state=_STATES[f[_STATE]], owner=f[_OWNER], items_total=f[_TOTAL], items_done=f[_DONE],
+            state=_STATES[f[_STATE]], holders=f[_HOLDERS], items_total=f[_TOTAL], items_done=f[_DONE],
             reason=f[_REASON][:f[_REASONLEN]].decode("utf-8", "replace"),
             deadline=f[_DEADLINE], created=f[_CREATED], concluded=f[_CONCLUDED],
         )
@@ -348,19 +349,6 @@ class RoomTable:
         """Every non-FREE entry, by slot."""
         return [e for e in map(self.get, _slots(self._states.ravel() != 0)) if e is not None]
 
-    def owned_by(self, owner: int) -> list[RoomEntry]:
-        """Live (not concluded) entries whose owner is ``owner``, by slot."""
-        owner = _index(owner)
-        if not _I32[0] <= owner <= _I32[1]:
-            return []
-        st = self._states.ravel()
-        out = []
-        for slot in _slots((self._owners.ravel() == owner) & (st > 0) & (st < RoomState.SUCCESS)):
-            e = self.get(slot)
-            if e is not None and e.owner == owner and e.live:
-                out.append(e)
-        return out
-
     def _room_candidates(self, room: int) -> list[int]:
         """Slots where either copy's column says ``room`` (and not FREE): to be verified."""
         hit = self._rooms.ravel() == room
@@ -379,7 +367,7 @@ class RoomTable:
 
     # -- writes ----------------------------------------------------------------
 
-    def insert(self, room: int, request_id: str, items_total: int, owner: int,
+    def insert(self, room: int, request_id: str, items_total: int, holders: int,
                deadline: float = 0.0, state: RoomState = RoomState.BOOTSTRAPPING,
                existing_ok: bool = False) -> int:
         """Record a new room; return its slot. TableFull when no slot is FREE.
@@ -390,13 +378,13 @@ class RoomTable:
         """
         room = _check_range("room", room, *_U64)
         items_total = _check_range("items_total", items_total, 0, _U32_MAX)
-        owner = _check_range("owner", owner, *_I32)
+        holders = _check_range("holders", holders, *_I32)
         state = RoomState(state)
         if state == RoomState.FREE:
             raise ValueError("a room cannot be inserted FREE")
         rid = _cut(str(request_id), REQUEST_ID_BYTES)
         now = time.monotonic()
-        fields = [room, int(state), len(rid), 0, owner, items_total, 0, float(deadline), now,
+        fields = [room, int(state), len(rid), 0, holders, items_total, 0, float(deadline), now,
                   now if state in _FINAL else 0.0, rid, b""]
         self._lock.acquire()
         try:
@@ -425,65 +413,47 @@ class RoomTable:
                 return slot
         return None
 
-    def advance(self, slot: int, room: int, state: RoomState, owner: int | None = None) -> bool:
+    def advance(self, slot: int, room: int, state: RoomState) -> bool:
         """Move a live room forward to ``state`` (skipping states is fine); False if not forward,
         already concluded, or ``slot`` no longer holds ``room``."""
         state = RoomState(state)
-        if owner is not None:
-            owner = _check_range("owner", owner, *_I32)
 
         def change(f):
             cur = f[_STATE]
             if cur >= RoomState.SUCCESS or state <= cur:
                 return False
             f[_STATE] = int(state)
-            if owner is not None:
-                f[_OWNER] = owner
             if state in _FINAL:
                 f[_CONCLUDED] = time.monotonic()
             return f
 
         return bool(self._update(slot, room, change))
 
-    def set_owner(self, slot: int, room: int, owner: int) -> bool:
-        """Give a live room to ``owner``; False if concluded or ``slot`` no longer holds ``room``."""
-        owner = _check_range("owner", owner, *_I32)
-
-        def change(f):
-            if f[_STATE] >= RoomState.SUCCESS:
-                return False
-            if f[_OWNER] == owner:
-                return True
-            f[_OWNER] = owner
-            return f
-
-        return bool(self._update(slot, room, change))
-
     def hold(self, slot: int, room: int, bits: int) -> bool:
-        """Set custody ``bits`` in the owner field (a bit mask of holders); even when concluded."""
-        return self._change_bits(slot, room, lambda o: o | bits)
+        """Set custody ``bits`` in the room's holders; even when concluded."""
+        return self._change_bits(slot, room, lambda h: h | bits)
 
     def unhold(self, slot: int, room: int, bits: int) -> bool:
-        """Clear custody ``bits`` in the owner field."""
-        return self._change_bits(slot, room, lambda o: o & ~bits)
+        """Clear custody ``bits`` in the room's holders."""
+        return self._change_bits(slot, room, lambda h: h & ~bits)
 
     def held_by(self, bits: int) -> list[RoomEntry]:
-        """Live entries whose owner field has any of ``bits``."""
+        """Live entries whose holders have any of ``bits``."""
         st = self._active_states()
-        owners = np.where(self._seq & 1, self._owners[:, 1], self._owners[:, 0])
+        holders = np.where(self._seq & 1, self._holders[:, 1], self._holders[:, 0])
         out = []
-        for slot in np.flatnonzero(((owners & bits) != 0) & (st > 0) & (st < RoomState.SUCCESS)).tolist():
+        for slot in np.flatnonzero(((holders & bits) != 0) & (st > 0) & (st < RoomState.SUCCESS)).tolist():
             e = self.get(slot)
-            if e is not None and e.owner & bits and e.live:
+            if e is not None and e.holders & bits and e.live:
                 out.append(e)
         return out
 
     def _change_bits(self, slot: int, room: int, op) -> bool:
         def change(f):
-            new = op(f[_OWNER])
-            if new == f[_OWNER]:
+            new = op(f[_HOLDERS])
+            if new == f[_HOLDERS]:
                 return True
-            f[_OWNER] = new
+            f[_HOLDERS] = new
             return f
 
         return bool(self._update(slot, room, change))
@@ -554,10 +524,10 @@ class RoomTable:
             return
         self._closed = True
         self._lock.close()
-        for v in (self._hdr, self._seqv, self._roomv, self._ownerv, self._statev):
+        for v in (self._hdr, self._seqv, self._roomv, self._holdersv, self._statev):
             v.release()
-        self._seq = self._rooms = self._states = self._owners = None
-        self._hdr = self._seqv = self._roomv = self._ownerv = self._statev = self._mv = None
+        self._seq = self._rooms = self._states = self._holders = None
+        self._hdr = self._seqv = self._roomv = self._holdersv = self._statev = self._mv = None
         self._seg.close()
 
     def unlink(self) -> None:

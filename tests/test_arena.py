@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, initialize, invariant,
                                  multiple, precondition, rule, run_state_machine_as_test)
 
+import numpy as np
+
 from ipc import arena as arena_mod
 from ipc import shm
 from tests.helpers import fork_call, wait_child
@@ -55,9 +57,67 @@ def _blocks(arena: Arena, n: int) -> int:
     return -(-n // arena.block_size)
 
 
+def _problems(a: Arena) -> list[str]:
+    """What is inconsistent in the arena's metadata, read under its lock; [] when sound."""
+    H_SEQ, H_JSLOT, H_USED, H_LIVE = arena_mod._H_SEQ, arena_mod._H_JSLOT, arena_mod._H_USED, arena_mod._H_LIVE
+    LIVE, FREE = arena_mod._LIVE, arena_mod._FREE
+    a._acquire()
+    try:
+        problems = []
+        if a._h[H_SEQ] & 1 or a._h[H_JSLOT] != -1:
+            problems.append("mutation marker left set")
+        state = a._n_state
+        if ((state != LIVE) & (state != FREE)).any():
+            problems.append("bad state bytes")
+        idx = np.flatnonzero(state == LIVE)
+        starts, counts = a._n_start[idx], a._n_nblk[idx]
+        if ((starts < 0) | (counts <= 0) | (starts + counts > a.nblocks)).any():
+            return problems + ["lease out of bounds"]
+        cover = a._coverage(starts, counts)
+        if cover.size and cover.max() > 1:
+            problems.append("live leases overlap")
+        if not np.array_equal(a._n_map != 0, cover > 0):
+            problems.append("block map differs from the lease table")
+        if a._h[H_USED] != int(counts.sum()):
+            problems.append(f"used blocks {a._h[H_USED]} != {int(counts.sum())}")
+        if a._h[H_LIVE] != idx.size:
+            problems.append(f"live count {a._h[H_LIVE]} != {idx.size}")
+        if (a._n_refs[idx].sum(axis=1, dtype=np.uint64) == 0).any():
+            problems.append("live lease without references")
+        lens = np.frombuffer(a._mm, np.int64, a.max_leases, a._lay["length"])[idx]
+        if ((lens <= 0) | (-(-lens // a.block_size) != counts)).any():
+            problems.append("lease length does not match its blocks")
+        return problems
+    finally:
+        a._release()
+
+
+def _snapshot(a: Arena) -> dict[Lease, dict[int, int]]:
+    """Every live lease with its references (owner -> count), taken atomically under the lock."""
+    a._acquire()
+    try:
+        out = {}
+        for s in np.flatnonzero(a._n_state == arena_mod._LIVE).tolist():
+            row = a._n_refs[s]
+            out[Lease(s, a._gen[s], a._start[s] * a.block_size, a._len[s])] = {
+                int(o): int(row[o]) for o in np.flatnonzero(row)}
+        return out
+    finally:
+        a._release()
+
+
+def _largest_free(arena: Arena) -> int:
+    """Bytes in the longest run of free blocks, by the live leases."""
+    runs, end = [], 0
+    for lease in arena.live_leases():  # by offset
+        runs.append(lease.offset - end)
+        end = lease.offset + _blocks(arena, lease.length) * arena.block_size
+    return max(runs + [arena.size - end])
+
+
 def _assert_sound(arena: Arena) -> list[Lease]:
     """The allocator is consistent; returns the live leases."""
-    assert arena._check() == []
+    assert _problems(arena) == []
     live = arena.live_leases()
     end = 0
     for lease in live:  # by offset
@@ -65,23 +125,22 @@ def _assert_sound(arena: Arena) -> list[Lease]:
         end = lease.offset + _blocks(arena, lease.length) * arena.block_size
         assert end <= arena.size
     assert arena.used_bytes() == sum(_blocks(arena, l.length) for l in live) * arena.block_size
-    assert arena.free_bytes() == arena.size - arena.used_bytes()
     return live
 
 
 def _fill_free_space(arena: Arena, owner: int) -> None:
     """Allocate every free byte (largest run first, repeatedly), check, give it back."""
-    free = arena.free_bytes()
+    free = arena.size - arena.used_bytes()
     got = []
-    while arena.free_bytes():
-        n = arena.largest_free()
+    while arena.used_bytes() < arena.size:
+        n = _largest_free(arena)
         lease = arena.alloc(n, owner)
-        assert lease is not None, "largest_free() promised room that alloc did not find"
+        assert lease is not None, "alloc found no room for the largest free run"
         got.append(lease)
     assert sum(l.length for l in got) == free
     for lease in got:
         assert arena.drop(lease, owner) is True
-    assert arena.free_bytes() == free
+    assert arena.size - arena.used_bytes() == free
 
 
 @pytest.fixture
@@ -108,7 +167,7 @@ def test_alloc_view_refs_and_attach(make_arena, shm_prefix):
     assert a.address % 4096 == 0 and a.address > 0
     lease = a.alloc(5000, 1)
     assert lease == Lease(lease.slot, lease.gen, 0, 5000)
-    assert a.used_bytes() == 2 * 4096 and a.free_bytes() == 14 * 4096
+    assert a.used_bytes() == 2 * 4096
     assert a.refs(lease) == {1: 1}
     with a.view(lease) as mv:
         assert len(mv) == 5000
@@ -125,7 +184,7 @@ def test_alloc_view_refs_and_attach(make_arena, shm_prefix):
         assert not a.valid(lease) and not other.valid(lease)
     finally:
         other.close()
-    assert a.used_bytes() == 0 and a.largest_free() == a.size
+    assert a.used_bytes() == 0 and _largest_free(a) == a.size
 
 
 def test_argument_errors(make_arena):
@@ -340,7 +399,7 @@ class ArenaMachine(RuleBasedStateMachine):
         live = _assert_sound(a)
         assert set(live) == set(self.model)
         assert a.used_bytes() == sum(_blocks(a, l.length) for l in self.model) * BS
-        assert a.largest_free() == max((n for _, n in self._free_runs()), default=0) * BS
+        assert _largest_free(a) == max((n for _, n in self._free_runs()), default=0) * BS
         for lease, refs in self.model.items():
             assert a.refs(lease) == refs
             assert bytes(a.view(lease)) == self._pattern(lease)[:lease.length], "lease bytes clobbered"
@@ -355,10 +414,10 @@ class ArenaMachine(RuleBasedStateMachine):
                     for _ in range(n):
                         a.drop(lease, owner)
             assert a.used_bytes() == 0 and a.live_leases() == []
-            assert a.largest_free() == a.size
+            assert _largest_free(a) == a.size
             whole = a.alloc(a.size, 0)
             assert whole is not None and a.drop(whole, 0)
-            assert a._check() == []
+            assert _problems(a) == []
         finally:
             a.close()
             a.unlink()
@@ -488,8 +547,8 @@ def test_sigkill_mid_mutation_loop(make_arena, shm_prefix):
             assert os.read(r, 1) == b"r"
             _kill_at_random_moment(victim, rng, lambda: a._h[arena_mod._H_SEQ] & 1, aim=i % 2 == 1)
             kills += 1
-            assert a._check() == []  # repairs if the victim died mid-mutation
-            snap = a._snapshot()  # atomically: the survivor is still at work
+            assert _problems(a) == []  # repairs if the victim died mid-mutation
+            snap = _snapshot(a)  # atomically: the survivor is still at work
             expected = sum(refs.get(o, 0) for refs in snap.values() for o in victim_owners)
             assert a.reclaim(victim_owners[0]) + a.reclaim(victim_owners[1]) == expected
             for lease, refs in snap.items():
@@ -498,11 +557,11 @@ def test_sigkill_mid_mutation_loop(make_arena, shm_prefix):
                 if not keep and survivor_owner not in refs:
                     assert not a.valid(lease), f"{lease} held only by the dead child survived"
                 elif keep:
-                    now = a._snapshot()[lease]  # held by owner 0: stays valid
+                    now = _snapshot(a)[lease]  # held by owner 0: stays valid
                     assert {o: n for o, n in now.items() if o != survivor_owner} == keep
             for lease, n in model_mine.items():
                 assert a.refs(lease).get(0) == n
-            assert a._check() == []
+            assert _problems(a) == []
     finally:
         os.write(stop_w, b"s")
         code = wait_child(survivor)

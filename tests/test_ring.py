@@ -21,6 +21,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from ipc import framing
 from ipc import ring as ring_mod
 from ipc import shm
 from ipc.ring import RECORD_HEADER, RecordTooLarge, Ring, RingError, wait_any
@@ -235,7 +236,7 @@ class RingMachine(RuleBasedStateMachine):
             return
         q, head = self.prod._q, self.prod.head
         pushed = self.prod._pushed()
-        self.prod._write(head, ring_mod._pack_header(ring_mod.RECORD_TAG, len(rec)) + rec, H + len(rec))
+        self.prod._write(head, framing.pack_header(framing.RECORD_TAG, len(rec)) + rec, H + len(rec))
         new_head = head + H + len(rec)
         order = [
             ("repair", ring_mod._PUSHED, pushed),
@@ -380,7 +381,7 @@ def test_record_too_large_names_sizes(make_ring):
         r.push_batch([b"a", b"b" * 200, b"c"])
     assert r.head == 0 and r.depth() == 0
     assert r.push(b"m" * 95) is True  # max_record fills the whole ring
-    assert r.used() == r.capacity
+    assert r.head - r.tail == r.capacity
     assert r.push(b"") is False and r.push_batch([b""]) == 0
     assert r.pop() == b"m" * 95
 
@@ -469,7 +470,7 @@ def test_big_backlog_of_small_records(make_ring):
     pushed = 0
     while pushed < len(recs):
         pushed += r.push_batch(recs[pushed:pushed + 4096])
-    assert r.used() > ring_mod._PARSE_LIMIT
+    assert r.head - r.tail > ring_mod._PARSE_LIMIT
     out = []
     while len(out) < len(recs):
         got, end = r.peek_batch(1000)
@@ -488,7 +489,7 @@ def test_corruption_is_an_error_not_a_record(make_ring):
         r.pop()
     with pytest.raises(RingError, match="corrupt"):
         r.pop_batch()
-    r._data[0] = ring_mod.RECORD_TAG
+    r._data[0] = framing.RECORD_TAG
     r._data[1] = 200  # a length running past head
     with pytest.raises(RingError, match="corrupt"):
         r.pop_batch()
@@ -572,7 +573,7 @@ def test_push_batch_publishes_once_per_round(make_ring, monkeypatch):
     assert stores == [200]
     k = r.push_batch(recs[200:], timeout=0)
     assert 0 < k < 200 and stores == [200, k]
-    assert r.used() + H + len(recs[200 + k]) > r.capacity  # the next one did not fit
+    assert r.head - r.tail + H + len(recs[200 + k]) > r.capacity  # the next one did not fit
     assert r.pop_batch(1000) == recs[: 200 + k]
 
 

@@ -46,15 +46,17 @@ def make_table(shm_prefix):
 def test_lifecycle_and_attach(make_table, shm_prefix):
     t = make_table(4)
     before = time.monotonic()
-    slot = t.insert(2**63 - 1, "req-1", 3, owner=1, deadline=before + 5)
+    slot = t.insert(2**63 - 1, "req-1", 3, holders=1, deadline=before + 5)
     e = t.get(slot)
-    assert (e.room, e.request_id, e.state, e.owner, e.items_total, e.items_done, e.reason) == \
+    assert (e.room, e.request_id, e.state, e.holders, e.items_total, e.items_done, e.reason) == \
         (2**63 - 1, "req-1", S.BOOTSTRAPPING, 1, 3, 0, "")
     assert e.deadline == before + 5 and before <= e.created <= time.monotonic() and e.concluded == 0.0
     other = RoomTable.attach(shm_prefix, t.run_id, "rooms")
     try:
         assert other.capacity == 4 and other.get(slot) == e and other.find(2**63 - 1) == slot
-        assert other.advance(slot, 2**63 - 1, S.ENCODING, owner=4)  # skipping QUEUED is fine
+        assert other.advance(slot, 2**63 - 1, S.ENCODING)  # skipping QUEUED is fine
+        assert other.hold(slot, 2**63 - 1, 4) and other.unhold(slot, 2**63 - 1, 1)
+        assert not other.hold(slot, 12, 2)  # not this room
         assert not t.advance(slot, 2**63 - 1, S.QUEUED)  # backwards
         assert not t.advance(slot, 2**63 - 1, S.ENCODING)  # not forward either
         assert not t.advance(slot, 12, S.TRANSFERRING)  # not this room
@@ -63,15 +65,16 @@ def test_lifecycle_and_attach(make_table, shm_prefix):
         assert t.item_done(slot, 2**63 - 1, 1) == 1 and t.item_done(slot, 2**63 - 1, 3) == 3
         assert t.item_done(slot, 2**63 - 1, 3) == 3 and t.item_done(slot, 2**63 - 1, 2) == 3
         assert other.get(slot).items_done == 3
-        assert [x.slot for x in other.owned_by(4)] == [slot] and other.owned_by(1) == []
+        assert [x.slot for x in other.held_by(4)] == [slot] and other.held_by(1) == []
         assert not t.free(slot, 2**63 - 1)  # live: not yet
         assert t.fail(slot, 2**63 - 1, "tower died")
         assert not t.fail(slot, 2**63 - 1, "again") and not t.succeed(slot, 2**63 - 1)
-        assert not t.advance(slot, 2**63 - 1, S.FAILED) and not t.set_owner(slot, 2**63 - 1, 2)
+        assert not t.advance(slot, 2**63 - 1, S.FAILED)
+        assert t.hold(slot, 2**63 - 1, 2) and t.get(slot).holders == 6  # custody outlives the room
         assert t.item_done(slot, 2**63 - 1) == 3  # final: unchanged
         e = other.get(slot)
         assert e.state == S.FAILED and e.reason == "tower died" and e.concluded >= e.created
-        assert other.owned_by(4) == [] and other.entries() == [e]
+        assert other.held_by(4) == [] and other.entries() == [e]
         assert t.free(slot, 2**63 - 1) and not t.free(slot, 2**63 - 1)
         assert other.get(slot) is None and other.find(2**63 - 1) is None and other.entries() == []
     finally:
@@ -140,7 +143,7 @@ def test_damaged_entries_are_repaired_never_read(make_table):
 
 CAP = 4
 ROOMS = st.sampled_from([0, 1, 2, 3, 4, 5, 2**63, 2**64 - 1])
-OWNERS = st.integers(0, 3)
+HOLDERS = st.integers(0, 15)  # custody bit masks of four stages
 TEXT = st.text(max_size=150)
 
 
@@ -167,42 +170,42 @@ class RoomMachine(RuleBasedStateMachine):
         m = self.model.get(slot)
         return m is not None and m["room"] == room
 
-    @rule(room=ROOMS, rid=TEXT, total=st.integers(0, 2**32 - 1), owner=OWNERS,
+    @rule(room=ROOMS, rid=TEXT, total=st.integers(0, 2**32 - 1), holders=HOLDERS,
           deadline=st.floats(0, 1e9), state=st.sampled_from(LIVE + FINAL))
-    def insert(self, room, rid, total, owner, deadline, state):
+    def insert(self, room, rid, total, holders, deadline, state):
         if any(m["room"] == room for m in self.model.values()):
             with pytest.raises(ValueError):
-                self.t.insert(room, rid, total, owner, deadline, state)
+                self.t.insert(room, rid, total, holders, deadline, state)
             return
         if len(self.model) == CAP:
             with pytest.raises(TableFull):
-                self.t.insert(room, rid, total, owner, deadline, state)
+                self.t.insert(room, rid, total, holders, deadline, state)
             return
-        slot = self.t.insert(room, rid, total, owner, deadline, state)
+        slot = self.t.insert(room, rid, total, holders, deadline, state)
         assert slot not in self.model and 0 <= slot < CAP
         cut = rooms_mod._cut(rid, 128).decode()
-        self.model[slot] = dict(room=room, request_id=cut, state=state, owner=owner, items_total=total,
+        self.model[slot] = dict(room=room, request_id=cut, state=state, holders=holders, items_total=total,
                                 items_done=0, reason="", deadline=deadline)
 
     @rule(i=st.integers(0, CAP - 1), room=ROOMS, use_model=st.booleans(),
-          state=st.sampled_from(list(S)), owner=st.none() | OWNERS)
-    def advance(self, i, room, use_model, state, owner):
+          state=st.sampled_from(list(S)))
+    def advance(self, i, room, use_model, state):
         slot, room = self._slot_room(i, room, use_model)
         m = self.model.get(slot)
         ok = self._holds(slot, room) and m["state"] in LIVE and state > m["state"]
-        assert self.t.advance(slot, room, state, owner) == ok
+        assert self.t.advance(slot, room, state) == ok
         if ok:
             m["state"] = state
-            if owner is not None:
-                m["owner"] = owner
 
-    @rule(i=st.integers(0, CAP - 1), room=ROOMS, use_model=st.booleans(), owner=OWNERS)
-    def set_owner(self, i, room, use_model, owner):
+    @rule(i=st.integers(0, CAP - 1), room=ROOMS, use_model=st.booleans(), bits=HOLDERS,
+          take=st.booleans())
+    def hold_or_unhold(self, i, room, use_model, bits, take):
         slot, room = self._slot_room(i, room, use_model)
-        ok = self._holds(slot, room) and self.model[slot]["state"] in LIVE
-        assert self.t.set_owner(slot, room, owner) == ok
+        ok = self._holds(slot, room)  # concluded rooms too: custody outlives the room
+        assert (self.t.hold if take else self.t.unhold)(slot, room, bits) == ok
         if ok:
-            self.model[slot]["owner"] = owner
+            m = self.model[slot]
+            m["holders"] = m["holders"] | bits if take else m["holders"] & ~bits
 
     @rule(i=st.integers(0, CAP - 1), room=ROOMS, use_model=st.booleans())
     def item_done(self, i, room, use_model):
@@ -254,9 +257,9 @@ class RoomMachine(RuleBasedStateMachine):
             if not any(m["room"] == room for m in self.model.values()):
                 assert t.find(room) is None
         assert [e.slot for e in t.entries()] == sorted(self.model)
-        for owner in range(4):
-            want = sorted(s for s, m in self.model.items() if m["owner"] == owner and m["state"] in LIVE)
-            assert [e.slot for e in t.owned_by(owner)] == want
+        for bits in range(16):
+            want = sorted(s for s, m in self.model.items() if m["holders"] & bits and m["state"] in LIVE)
+            assert [e.slot for e in t.held_by(bits)] == want
         assert t.repairs == 0
 
     def teardown(self):
@@ -288,18 +291,18 @@ def _random_op(t: RoomTable, rng: random.Random) -> None:
     if slot is None:
         if kind < 0.7:
             try:
-                t.insert(room, f"q{room}" * (room % 7 + 1), room % 5 + 1, owner=room % 3,
+                t.insert(room, f"q{room}" * (room % 7 + 1), room % 5 + 1, holders=room % 3,
                          deadline=float(room))
             except TableFull:
                 pass
         return
     e = t.get(slot)
     if kind < 0.3:
-        t.advance(slot, room, S(rng.randint(1, 6)), owner=rng.choice([None, 0, 1, 2]))
+        t.advance(slot, room, S(rng.randint(1, 6)))
     elif kind < 0.5:
         t.item_done(slot, room)
     elif kind < 0.6:
-        t.set_owner(slot, room, rng.randint(0, 2))
+        (t.hold if rng.random() < 0.5 else t.unhold)(slot, room, 1 << rng.randint(0, 2))
     elif kind < 0.7:
         t.fail(slot, room, f"why{room}:{e.items_done}" * 40)
     elif kind < 0.8:
@@ -328,7 +331,7 @@ def _logical(t: RoomTable, check: bool = True):
             _, f = t._load(slot)  # lock-free, no repair: a torn record shows as None
             assert f is not None, f"slot {slot} reads torn"
         e = t.get(slot)
-        out.append(None if e is None else (e.room, e.request_id, e.state, e.owner, e.items_total,
+        out.append(None if e is None else (e.room, e.request_id, e.state, e.holders, e.items_total,
                                            e.items_done, e.reason, e.deadline))
     return out
 
