@@ -14,10 +14,15 @@ this module imports prometheus_client only where it serves.
 """
 from __future__ import annotations
 
+import json
 import logging
+import socket
 import threading
 from dataclasses import dataclass, field
+from http import HTTPStatus
+from socketserver import ThreadingMixIn
 from typing import Callable
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from ipc.stats import SECONDS_BUCKETS
 
@@ -240,24 +245,77 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
-class MetricsServer:
-    """The Prometheus endpoint (any path, /metrics by convention) on a thread of its own,
-    with a registry of its own: nothing registers in prometheus_client's global one."""
+# What /readyz needs of the health callable's conditions, each with the value that
+# means ready. A condition missing from the answer counts as failing.
+READY_WHEN = {"loop_alive": True, "stages_ready": True, "draining": False, "restart_budget_left": True}
 
-    def __init__(self, endpoint: str, snapshot: Callable[[], Snapshot]):
-        from prometheus_client import CollectorRegistry, start_http_server
+
+def probe(path: str, health: Callable[[], dict]) -> tuple[int, dict]:
+    """/healthz or /readyz -> (HTTP status, JSON body). `health()` answers the conditions
+    of READY_WHEN (plus any detail worth showing, e.g. which stages are not ready)."""
+    try:
+        conditions = dict(health())
+    except Exception as e:  # a probe that cannot tell says so rather than guess
+        log.warning("the health check raised: %r", e, exc_info=True)
+        return 503, {"error": f"the health check raised {e!r}"}
+    if path == "/healthz":
+        alive = conditions.get("loop_alive") is True
+        return (200 if alive else 503), {"alive": alive, "loop_alive": conditions.get("loop_alive")}
+    failing = [name for name, want in READY_WHEN.items() if conditions.get(name) is not want]
+    return (503 if failing else 200), {**conditions, "ready": not failing, "failing": failing}
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+    def __init__(self, address, handler, family):
+        self.address_family = family  # IPv6 as well: the base class binds AF_INET
+        super().__init__(address, handler)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):
+        """A probe every few seconds must not write a line to stderr each time."""
+
+
+class MetricsServer:
+    """The Prometheus endpoint on a thread of its own, with a registry of its own
+    (nothing registers in prometheus_client's global one): `/metrics`, and with a
+    `health` callable the probes `/healthz` and `/readyz` (see `probe`); any other
+    path is 404."""
+
+    def __init__(self, endpoint: str, snapshot: Callable[[], Snapshot],
+                 health: Callable[[], dict] | None = None):
+        from prometheus_client import CollectorRegistry, make_wsgi_app
 
         host, port = parse_endpoint(endpoint)
         registry = CollectorRegistry()
         registry.register(Collector(snapshot))
+        self._metrics_app = make_wsgi_app(registry)
+        self._health = health
         try:
-            self._httpd, self._thread = start_http_server(port, host, registry)
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+            self._httpd = _Server((host, port), _QuietHandler, family)
         except OSError as e:
             raise MetricsError(f"cannot serve metrics on {endpoint} (metrics_endpoint): "
                                f"{e.strerror or e}; choose a free port, or 0 for any") from None
+        self._httpd.set_app(self._app)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics", daemon=True)
+        self._thread.start()
         self.host = host
         self.port = self._httpd.server_address[1]
         log.info("metrics on http://%s:%d/metrics", host, self.port)
+
+    def _app(self, environ, start_response):
+        path = environ.get("PATH_INFO", "")
+        if path == "/metrics":
+            return self._metrics_app(environ, start_response)
+        if path in ("/healthz", "/readyz") and self._health is not None:
+            status, body = probe(path, self._health)
+            start_response(f"{status} {HTTPStatus(status).phrase}", [("Content-Type", "application/json")])
+            return [json.dumps(body, default=str).encode() + b"\n"]
+        start_response("404 Not Found", [("Content-Type", "text/plain")])
+        return [b"not found: /metrics" + (b", /healthz, /readyz" if self._health else b"") + b"\n"]
 
     @property
     def url(self) -> str:

@@ -11,6 +11,8 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -28,6 +30,7 @@ pytestmark = [
 MB18 = 1_800_000
 RECV_SIZE = 32 << 20
 CTX = mp.get_context("spawn")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def pattern(seed: int, n: int) -> np.ndarray:
@@ -396,3 +399,36 @@ def test_engine_refuses_use_after_fork(sender, src):
         os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+_LOGGING_SCRIPT = """
+import logging, sys
+import numpy as np
+logging.basicConfig(level=sys.argv[1])
+from ipc.transport import Engine, TransportError
+e = Engine("127.0.0.1")
+buf = np.zeros(4096, np.uint8)
+try:
+    e.write("127.0.0.1:" + sys.argv[2], buf.ctypes.data, buf.ctypes.data, 16)
+except TransportError:
+    pass
+e.close()
+"""
+
+
+@pytest.mark.parametrize("level", ["DEBUG", "WARNING", "CRITICAL"])
+def test_mooncake_logs_follow_the_python_log_level(level):
+    """A healthy start says nothing above DEBUG (not the error-level "Local segment
+    descriptor not found" every start logs); a failed handshake's detail shows up to
+    ERROR; at DEBUG everything Mooncake says."""
+    with socket.socket() as s:  # a port nobody listens on: the write fails at the handshake
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MC_", "GLOG_"))}
+    p = subprocess.run([sys.executable, "-c", _LOGGING_SCRIPT, level, str(dead)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    healthy = ["Local segment descriptor not found", "Transfer Engine RPC using P2P handshake"]
+    failed = f"connect()127.0.0.1:{dead}: Connection refused"
+    said = [text for text in healthy + [failed] if text in p.stderr]
+    assert said == {"DEBUG": healthy + [failed], "WARNING": [failed], "CRITICAL": []}[level], p.stderr
