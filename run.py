@@ -60,40 +60,23 @@ EXIT_CODES = {
 
 # ---------------------------------------------------------------- serve
 def serve(cfg: WorkerConfig, mode: str) -> int:
-    if mode == "pipeline":
-        from pipeline.supervisor import PipelineError, run_pipeline
+    from pipeline.runtime import StartError, serve_until_signalled
+    from pipeline.running import start
 
-        try:
-            return run_pipeline(cfg)
-        except PipelineError as e:
-            print(f"error: the worker could not start: {e}", file=sys.stderr)
-            return 3
-    from pipeline.worker import Worker
+    def announce(rt) -> None:
+        print(f"serving ({mode}): intake {rt.cfg.intake}  bootstrap {rt.cfg.bootstrap}  "
+              f"tower {rt.spec.name}", flush=True)
+        if rt.metrics is not None:
+            print(f"metrics: {rt.metrics.url}", flush=True)
 
+    started = []
     try:
-        worker = Worker(cfg)
-    except Exception as e:
+        code = serve_until_signalled(lambda: started.append(start(cfg, mode)) or started[0], announce)
+    except StartError as e:
         print(f"error: the worker could not start: {e}", file=sys.stderr)
         return 3
-    stop = threading.Event()
-    signals = []
-
-    def on_signal(signum, _frame):
-        signals.append(signum)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    print(f"serving: intake {worker.cfg.intake}  bootstrap {worker.cfg.bootstrap}  "
-          f"mooncake session {worker.engine.session}  tower {worker.spec.name}", flush=True)
-    try:
-        worker.serve(stop)
-        # A second signal, before or during the drain, skips (the rest of) it.
-        worker.drain(cfg.drain_timeout_s, cut_short=lambda: len(signals) > 1)
-    finally:
-        worker.close()
-    print("stopped", flush=True)
-    return 0
+    print("stopped" if code == 0 else f"error: {started[0].fatal}", flush=True)
+    return code
 
 
 # ---------------------------------------------------------------- demo

@@ -508,7 +508,7 @@ class Chaos:
 
     # ------------------------------------------------------------ chaos
     def live_stage_pid(self, name: str) -> int | None:
-        from pipeline.stage_host import Heartbeats
+        from pipeline.boards import Heartbeats
 
         proc = self.w.sup.procs.get(name)
         if proc is None or not proc.is_alive() or not self.w.sup.hb.row(name)[Heartbeats.READY]:
@@ -516,12 +516,12 @@ class Chaos:
         return proc.pid
 
     def chaos_event(self) -> None:
-        from pipeline import wiring
+        from stages import registry
 
         kind = self.rng.choices(["kill_stage", "stop_stage", "kill_receiver", "kill_receiver_before_alloc"],
                                 weights=[6, 1, 2, 1])[0]
         if kind in ("kill_stage", "stop_stage"):
-            name = self.rng.choice(wiring.STAGES)
+            name = self.rng.choice(registry.STAGES)
             if self.stopped is not None:
                 return
             pid = self.live_stage_pid(name)
@@ -636,9 +636,9 @@ class Chaos:
 
     def settle(self) -> None:
         """Every stage and receiver up, every room concluded wherever someone alive listens."""
-        from pipeline import wiring
+        from stages import registry
 
-        self.wait_until(lambda: self.stopped is None and all(self.live_stage_pid(n) for n in wiring.STAGES),
+        self.wait_until(lambda: self.stopped is None and all(self.live_stage_pid(n) for n in registry.STAGES),
                         120, "every stage to be up")
         self.wait_receivers_up()
         self.wait_until(lambda: self.open_rooms() == 0 and not self.unconcluded_rooms(), self.s.settle_timeout_s,

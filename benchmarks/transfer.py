@@ -97,10 +97,10 @@ def main() -> int:
         sender_s, failed, violations = parent.recv()
 
         # Raw: the same bytes (the cached lease) to the same regions, sync writes.
-        cache = w.worker.cache
+        cache = w.worker.stages["cache"].hc.cache
         lease = cache.lease_of(cache.keys("arena")[0])
-        src = w.worker.emb_arena.address + lease.offset
-        te = w.worker.engine._te
+        src = w.worker.shared.emb_arena.address + lease.offset
+        te = w.worker.env.engine._te
         w.stop.set()  # the worker loop is idle from here; keep it off the GIL
         w.thread.join(10)
         t0 = time.perf_counter()

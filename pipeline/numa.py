@@ -14,7 +14,7 @@ import re
 from contextlib import contextmanager
 
 from pipeline.config import ConfigError, WorkerConfig, parse_numa
-from stages.records import STAGES
+from stages.registry import STAGES
 
 log = logging.getLogger("epd.numa")
 

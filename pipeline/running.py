@@ -15,37 +15,41 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def start(cfg: WorkerConfig, mode: str, tower=None):
+    """A started runtime of `mode`: the Supervisor with its stage processes ("pipeline"),
+    or the Worker ("inprocess"). `tower` (a built Tower) only for "inprocess"."""
+    if mode == "pipeline":
+        from pipeline.supervisor import Supervisor
+
+        if tower is not None:
+            raise ValueError("the pipeline builds its tower in the tower process")
+        sup = Supervisor(cfg)
+        try:
+            sup.start()
+        except BaseException:
+            sup.close()
+            raise
+        return sup
+    if mode == "inprocess":
+        from pipeline.worker import Worker
+
+        return Worker(cfg, tower=tower)
+    raise ValueError(f"mode must be 'pipeline' or 'inprocess', not {mode!r}")
+
+
 class Running:
-    """`mode` "pipeline": a Supervisor with its stage processes (`.sup`); "inprocess": a
-    Worker (`.worker`). `tower` (a built Tower) only for "inprocess"."""
+    """A started runtime (`start`) serving in a thread: `.sup` in the pipeline, `.worker`
+    in process, `.impl` either."""
 
     def __init__(self, cfg: WorkerConfig, mode: str = "pipeline", tower=None):
         self.mode = mode
         self.stop = threading.Event()
         self.code = None
         self.error = None
-        self.sup = self.worker = None
-        if mode == "pipeline":
-            from pipeline.supervisor import Supervisor
-            from stages.tower import TowerSpec
-
-            if tower is not None:
-                raise ValueError("the pipeline builds its tower in the tower process")
-            self.sup = impl = Supervisor(cfg)
-            try:
-                impl.start()
-            except BaseException:
-                impl.close()
-                raise
-            self.spec = TowerSpec(**impl.spec_kwargs)
-        elif mode == "inprocess":
-            from pipeline.worker import Worker
-
-            self.worker = impl = Worker(cfg, tower=tower)
-            self.spec = impl.spec
-        else:
-            raise ValueError(f"mode must be 'pipeline' or 'inprocess', not {mode!r}")
-        self.impl = impl
+        self.impl = impl = start(cfg, mode, tower)
+        self.sup = impl if mode == "pipeline" else None
+        self.worker = impl if mode == "inprocess" else None
+        self.spec = impl.spec
         self.cfg = impl.cfg
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()

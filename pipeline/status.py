@@ -19,7 +19,8 @@ from ipc.ring import Ring, RingError
 from ipc.rooms import RoomState, RoomTable
 from pipeline import wiring
 from pipeline.config import WorkerConfig
-from pipeline.stage_host import Heartbeats, StatsBoard
+from pipeline.boards import Heartbeats, StatsBoard
+from stages import registry
 
 NO_WORKER = 4
 
@@ -109,7 +110,7 @@ def read_run(prefix: str, run_id: str, pid: int) -> dict:
         now = time.monotonic()
         stages = {}
         try:
-            for stage in wiring.STAGES:
+            for stage in registry.STAGES:
                 pid, beat, ready, restarts, busy = (float(x) for x in hb.row(stage)[:Heartbeats.FIELDS])
                 stages[stage] = {
                     "pid": int(pid), "alive": _pid_alive(int(pid)), "ready": bool(ready),

@@ -1,20 +1,18 @@
 """The multi-process pipeline (`--mode pipeline`): one process per stage, and their supervisor.
 
-The supervisor owns every shared object: it creates them, starts the stages (the
-tower first: the others need its spec), watches them (exit, or a heartbeat older
-than `heartbeat_timeout_s`: killed), and when one dies fails exactly the rooms it
-held, reclaims its arena references, unlinks the pixel segments it was taking,
-and restarts it with backoff; the successor continues from its input rings. More
-than `restart_limit` restarts within `restart_window_s` end the run.
+The supervisor owns every shared object: it creates them, starts the stages (in
+registry.START_ORDER: the others need the tower's spec), watches them (exit, or a
+heartbeat older than `heartbeat_timeout_s`: killed), and when one dies fails exactly
+the rooms it held, reclaims its arena references, and restarts it with backoff; the
+successor continues from its input rings and from what its predecessor left in shared
+memory (its `start()`). More than `restart_limit` restarts within `restart_window_s`
+end the run.
 """
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
 import pickle
-import signal
-import stat
 import threading
 import time
 from collections import deque
@@ -22,67 +20,55 @@ from dataclasses import asdict
 
 from ipc import shm
 from ipc.ring import Ring
-from ipc.rooms import RoomState
 from pipeline import numa, wiring
-from pipeline.config import WorkerConfig
+from pipeline.boards import Heartbeats, IntakeJournal, StatsBoard
 from pipeline.metrics import MetricsError, MetricsServer, Snapshot, StageTotals
-from pipeline.stage_host import Heartbeats, IntakeJournal, StatsBoard, doorbell_name, stage_process
+from pipeline.runtime import Runtime, StartError
+from pipeline.stage_host import stage_process
+from stages.records import RoomsLost
+from stages.registry import OWNERS, REQUEST_STAGE, STAGES, START_ORDER
 
 log = logging.getLogger("epd.supervisor")
 
 
-class PipelineError(RuntimeError):
-    """The pipeline could not start, or had to stop (a stage kept dying)."""
+class PipelineError(StartError):
+    """The pipeline could not start."""
 
 
-class Supervisor:
-    def __init__(self, cfg: WorkerConfig):
-        self.cfg = cfg = cfg.resolved().validate()
-        self._objects = []
+class Supervisor(Runtime):
+    def __init__(self, cfg):
+        placement = numa.placement(cfg)  # each stage's CPUs (None: unpinned)
+        if any(placement.values()):
+            log.info("NUMA placement: %s", ", ".join(f"{s} on CPUs {numa.format_cpulist(c)}" if c else
+                                                     f"{s} unpinned" for s, c in placement.items()))
+        self.placement = placement
         self._bells = []
         self.procs: dict[str, mp.Process] = {}
         self.restarts: deque = deque()
-        self.restart_counts = {name: 0 for name in wiring.STAGES}
+        self.restart_counts = {name: 0 for name in STAGES}
         self.pending_restart: dict[str, float] = {}
         self.fatal: str | None = None
         self.spec_kwargs: dict | None = None
         self._mp = mp.get_context("spawn")
         self.metrics: MetricsServer | None = None  # the Prometheus endpoint; .port is the one bound
-        self.totals = StageTotals(wiring.STAGES)
-        self.placement = numa.placement(cfg)  # each stage's CPUs (None: unpinned)
-        if any(self.placement.values()):
-            log.info("NUMA placement: %s", ", ".join(f"{s} on CPUs {numa.format_cpulist(c)}" if c else
-                                                     f"{s} unpinned" for s, c in self.placement.items()))
-        shm.sweep(cfg.shm_prefix)  # what a dead run of this prefix left, and only that
-        shm.require_free({"pixel arena": cfg.pixel_arena_bytes,
-                          "embedding arena": cfg.embedding_arena_bytes,
-                          "rings": len(wiring.EDGES) * cfg.ring_bytes})
-        self.lock = shm.RunLock(cfg.shm_prefix)
-        self.run_id = run_id = self.lock.run_id
-        p = cfg.shm_prefix
+        self.totals = StageTotals(STAGES)
+        super().__init__(cfg, {"rings": len(wiring.EDGES) * cfg.ring_bytes}, placement)
+        cfg, p, run_id = self.cfg, self.cfg.shm_prefix, self.run_id
         try:
-            shm.private_dir(cfg.run_dir)
-            self.shared = wiring.create_shared(cfg, run_id, self._own, self.placement)
-            self.rooms = self.shared.rooms
-            for stage in wiring.STAGES:
-                name = shm.object_name(p, run_id, doorbell_name(stage))
+            for stage in STAGES:
+                name = shm.object_name(p, run_id, wiring.doorbell_name(stage))
                 self._bells.append((name, shm.create_semaphore(name)))
             self.rings = {}
             for src, dst in wiring.EDGES:
-                self.rings[(src, dst)] = self._own(Ring.create(
+                self.rings[(src, dst)] = self.own(Ring.create(
                     p, run_id, wiring.ring_name(src, dst), cfg.ring_bytes,
-                    doorbell=shm.object_name(p, run_id, doorbell_name(dst))))
-            self.to_reaper = self.rings[("supervisor", "reaper")]
-            self.hb = self._own(Heartbeats.create(p, run_id))
-            self.journal = self._own(IntakeJournal.create(p, run_id))
-            self.stats_board = self._own(StatsBoard.create(p, run_id))
+                    doorbell=shm.object_name(p, run_id, wiring.doorbell_name(dst))))
+            self.hb = self.own(Heartbeats.create(p, run_id))
+            self.journal = self.own(IntakeJournal.create(p, run_id))
+            self.stats_board = self.own(StatsBoard.create(p, run_id))
         except BaseException:
             self.close()
             raise
-
-    def _own(self, obj):
-        self._objects.append(obj)
-        return obj
 
     # ------------------------------------------------------------ processes
     def _spawn(self, name: str) -> tuple[mp.Process, object]:
@@ -108,7 +94,7 @@ class Supervisor:
                 except EOFError:
                     break
                 if kind == "ready":
-                    if name == "tower":
+                    if self.spec_kwargs is None:  # the first stage started is the tower
                         self.spec_kwargs = payload
                     conn.close()
                     return
@@ -120,35 +106,35 @@ class Supervisor:
         raise PipelineError(f"the {name} stage did not become ready (exit code {proc.exitcode})")
 
     def start(self) -> None:
-        """Start every stage, each ready before the next; the tower first (the others need its spec)."""
-        order = ["tower"] + [s for s in wiring.STAGES if s != "tower"]
+        """Start every stage, each ready before the next."""
         try:
             if self.cfg.metrics_endpoint:
                 try:
                     self.metrics = MetricsServer(self.cfg.metrics_endpoint, self.metrics_snapshot)
                 except MetricsError as e:
                     raise PipelineError(str(e)) from None
-            for name in order:
+            for name in START_ORDER:
                 proc, conn = self._spawn(name)
                 self.procs[name] = proc
                 self._await_ready(name, proc, conn, self.cfg.start_timeout_s)
         except BaseException:
-            self._stop_all(0.0)
+            self._stop_processes(0.0)
             raise
 
+    @property
+    def spec(self):
+        from stages.towers import TowerSpec
+
+        return TowerSpec(**self.spec_kwargs)
+
     # ------------------------------------------------------------ watching
-    def serve(self, stop: threading.Event, second: threading.Event | None = None) -> int:
-        """Watch until `stop`; then drain (skipped if `second` is set) and shut down.
-        Returns 0, or 1 if a stage kept dying."""
-        while not stop.is_set() and self.fatal is None:
-            self.check()
-            stop.wait(0.05)
-        if self.fatal is None:
-            self.drain(0.0 if second is not None and second.is_set() else self.cfg.drain_timeout_s,
-                       second)
-            return 0
-        self._stop_all(5.0)  # every live room failed (naming the stage), every stage stopped
-        return 1
+    def watch(self, stop: threading.Event) -> None:
+        self.check()
+        stop.wait(0.05)
+
+    def poll(self) -> None:
+        self.check()
+        time.sleep(0.02)
 
     def check(self) -> None:
         now = time.monotonic()
@@ -175,21 +161,16 @@ class Supervisor:
         with self.totals.lock:  # its successor counts from zero: keep what it had counted
             self.totals.retire(name, self.stats_board.read(name))
             self.stats_board.write(name, {})
-        owner = wiring.OWNERS[name]
+        owner = OWNERS[name]
         bit = 1 << owner
         held = [(e.slot, e.room) for e in self.rooms.held_by(bit)]
         for slot, room in held:
             self.rooms.unhold(slot, room, bit)
         self.shared.pixel_arena.reclaim(owner)
         self.shared.emb_arena.reclaim(owner)
-        if name == "intake":
-            in_hand = self._unlink_journal()
-            if in_hand is not None and self.rooms.find(in_hand) is None:
-                held.append((None, in_hand))  # the request it was reading: remember it as failed
         log.error("the %s stage %s; failing the %d rooms it held: room=%s", name, why, len(held),
                   ",".join(str(room) for _, room in held[:20]) + (",..." if len(held) > 20 else ""))
-        self._to_reaper(("fail_rooms", held, f"the {name} stage died while it held this room",
-                         name == "sender"))
+        self.tell_reaper(RoomsLost(tuple(held), f"the {name} stage died while it held this room", died=name))
         now = time.monotonic()
         self.restarts.append((now, name))
         while self.restarts and self.restarts[0][0] < now - self.cfg.restart_window_s:
@@ -217,8 +198,6 @@ class Supervisor:
         self.restart_counts[name] += 1
         log.warning("restarted the %s stage (pid %d, restart %d)", name, proc.pid, self.restart_counts[name])
         self.hb.row(name)[Heartbeats.RESTARTS] = self.restart_counts[name]
-        if name == "sender":
-            self._to_reaper(("sender_restarted",))
 
     def _died_at_start(self, name: str) -> None:
         now = time.monotonic()
@@ -227,33 +206,17 @@ class Supervisor:
             self.fatal = f"the {name} stage could not be restarted"
         self.pending_restart[name] = now + 2.0
 
-    def _unlink_journal(self) -> int | None:
-        """Unlink the segments of the frame intake died with; return its room. By the
-        rules intake takes them by: a name under the prefix, a regular file of ours."""
-        from stages.intake import segment_name_problem
-
-        room, names = self.journal.read()
-        for name in names:
-            if not name or segment_name_problem(self.cfg.shm_prefix, name) is not None:
-                continue
-            path = os.path.join(shm.SHM_DIR, name[1:])
-            try:
-                st = os.lstat(path)
-                if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
-                    os.unlink(path)
-            except FileNotFoundError:
-                pass
-        self.journal.record(None, [])
-        return room
-
-    def _to_reaper(self, rec) -> None:
-        if not self.to_reaper.push(pickle.dumps(rec, protocol=5), timeout=5.0):
-            log.error("the reaper's ring is full: could not deliver %s", rec[0])
+    def tell_reaper(self, record) -> bool:
+        (dest,) = wiring.outputs_of("supervisor")
+        proc = self.procs.get(dest)
+        if proc is None or not proc.is_alive():
+            return False
+        if not self.rings[("supervisor", dest)].push(pickle.dumps(record, protocol=5), timeout=5.0):
+            log.error("the %s's ring is full: could not deliver %s", dest, type(record).__name__)
+            return False
+        return True
 
     # ------------------------------------------------------------ state
-    def live_rooms(self) -> list:
-        return [e for e in self.rooms.entries() if e.state < RoomState.SUCCESS]
-
     def stats(self) -> dict:
         out = self.stats_board.read_all()
         out["restarts"] = dict(self.restart_counts)
@@ -262,11 +225,11 @@ class Supervisor:
     def metrics_snapshot(self) -> Snapshot:
         """What the metrics endpoint reports; called on its thread at every scrape."""
         with self.totals.lock:
-            stats = {s: self.totals.seen(s, self.stats_board.read(s)) for s in wiring.STAGES}
+            stats = {s: self.totals.seen(s, self.stats_board.read(s)) for s in STAGES}
             totals = self.totals.total()
         now = time.monotonic()
         stages = {}
-        for stage in wiring.STAGES:
+        for stage in STAGES:
             row = self.hb.row(stage)
             stages[stage] = {
                 "ring_depth": sum(ring.depth() for (_, dst), ring in self.rings.items() if dst == stage),
@@ -279,32 +242,15 @@ class Supervisor:
         return Snapshot(totals, stats, stages, arenas, self.rooms.count_live())
 
     # ------------------------------------------------------------ stopping
-    def drain(self, deadline_s: float, second: threading.Event | None = None) -> None:
-        """Stop intake; let rooms finish until the deadline; fail the rest; stop everything."""
-        self._stop_stage("intake")
-        end = time.monotonic() + deadline_s
-        while time.monotonic() < end and self.live_rooms():
-            if second is not None and second.is_set():
-                break
-            self.check()
-            time.sleep(0.02)
-        self._fail_live("worker shutting down")
-        self._stop_all(5.0)
+    def stop_taking_requests(self) -> None:
+        self._stop_stage(REQUEST_STAGE)
 
-    def _fail_live(self, reason: str) -> None:
-        live = [(e.slot, e.room) for e in self.live_rooms()]
-        if live and self.procs.get("reaper") is not None and self.procs["reaper"].is_alive():
-            self._to_reaper(("fail_rooms", live, reason, False))
-            end = time.monotonic() + 5.0
-            while time.monotonic() < end and self.live_rooms():
-                time.sleep(0.02)
-            # and let the sender's fence and the reaper's statuses go out
-            end = time.monotonic() + 2.0
-            while time.monotonic() < end and (self.rings[("reaper", "sender")].depth()
-                                               or self.rings[("sender", "reaper")].depth()):
-                time.sleep(0.02)
-        for e in self.live_rooms():
-            self.rooms.fail(e.slot, e.room, reason)
+    def settled(self) -> bool:
+        (dest,) = wiring.outputs_of("supervisor")
+        return not any(ring.depth() for (src, dst), ring in self.rings.items() if dest in (src, dst))
+
+    def stop_all(self) -> None:
+        self._stop_processes(5.0)
 
     def _stop_stage(self, name: str, timeout: float = 5.0) -> None:
         proc = self.procs.get(name)
@@ -319,9 +265,7 @@ class Supervisor:
             proc.kill()
             proc.join(5)
 
-    def _stop_all(self, timeout: float) -> None:
-        if self.fatal is not None:
-            self._fail_live(f"worker stopped: {self.fatal}")
+    def _stop_processes(self, timeout: float) -> None:
         for name in list(self.procs):
             proc = self.procs.get(name)
             if proc is not None and proc.is_alive():
@@ -333,44 +277,9 @@ class Supervisor:
         if self.metrics is not None:  # first: a scrape reads the objects closed below
             self.metrics.close()
             self.metrics = None
-        self._stop_all(5.0)
-        for obj in reversed(self._objects):
-            obj.close()
-            obj.unlink()
-        self._objects = []
+        self._stop_processes(5.0)
+        super().close()
         for name, sem in self._bells:
             sem.close()
             shm.unlink_semaphore(name)
         self._bells = []
-        wiring.unlink_ipc(self.cfg.intake)
-        if self.lock is not None:
-            shm.sweep(self.cfg.shm_prefix, self.lock.run_id, include_live=True)
-            self.lock.release()
-            self.lock = None
-
-
-def run_pipeline(cfg: WorkerConfig) -> int:
-    """`run.py serve --mode pipeline`: serve until SIGTERM/SIGINT; a second signal skips the drain."""
-    stop, second = threading.Event(), threading.Event()
-
-    def on_signal(signum, _frame):
-        (second if stop.is_set() else stop).set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    try:
-        sup = Supervisor(cfg)
-    except Exception as e:  # /dev/shm too small, a run dir we cannot make, ...
-        raise PipelineError(str(e)) from e
-    try:
-        sup.start()
-        print(f"serving (pipeline): intake {sup.cfg.intake}  bootstrap {sup.cfg.bootstrap}  "
-              f"tower {sup.spec_kwargs['name']}", flush=True)
-        if sup.metrics is not None:
-            print(f"metrics: {sup.metrics.url}", flush=True)
-        code = sup.serve(stop, second)
-        if sup.fatal:
-            print(f"error: {sup.fatal}", flush=True)
-        return code
-    finally:
-        sup.close()

@@ -13,7 +13,6 @@ producer gives custody up after the record is pushed.
 """
 from __future__ import annotations
 
-import time
 from collections import Counter
 from typing import Callable
 
@@ -77,14 +76,30 @@ class TableCustody(Custody):
 
 
 class Stage:
-    """A stage: `handle` records from its sources, `tick` for timers and polling."""
+    """A stage: `handle` records from its sources (and frames from its socket), `tick`
+    for timers and polling. What a host needs to know of it, it says here."""
 
     name = ""
-    owner = 0
+    owner = 0  # its arena owner id, and its custody bit in the room table
+    # Records whose handling cannot be undone (a status sent) are taken from their ring
+    # one at a time, so that a death repeats at most the one in hand.
+    one_record_at_a_time = False
 
     def __init__(self, emit: Callable[[str, object], None], custody: Custody | None = None):
         self.emit = emit
         self.custody = custody or Custody()
+
+    def socket(self) -> tuple[str, int] | None:
+        """(endpoint, largest frame) of the PULL socket whose frames it handles, if any."""
+        return None
+
+    def takes_frames(self) -> bool:
+        """False while it cannot take another frame from its socket (they wait in the socket)."""
+        return True
+
+    def start(self) -> None:
+        """Called once before the first round: a stage that begins again after its
+        predecessor died picks up here what that one left (tables, journals, peers)."""
 
     def handle(self, source: str, record) -> None:
         raise NotImplementedError
@@ -92,9 +107,9 @@ class Stage:
     def tick(self, now: float) -> None:
         pass
 
-    def busy(self) -> bool:
-        """True while the stage has work that needs `tick` soon (writes, tower jobs)."""
-        return False
+    def next_tick_in(self, now: float) -> float | None:
+        """Seconds until `tick` has work (0: now); None while it has none of its own."""
+        return None
 
     def pushed(self) -> None:
         """What `handle` or `tick` emitted is in the next stages' rings (or queue) now."""
@@ -107,5 +122,5 @@ class Stage:
         pass
 
 
-def now() -> float:
-    return time.monotonic()
+POLL_S = 1e-4  # next_tick_in of work that completes elsewhere (a device, Mooncake's threads)
+

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 from ipc.arena import Arena, Lease, StaleLease
 from ipc.wire import content_hash
 from stages.embedding_cache import EmbeddingCache, InflightMisses
 from stages.base import Stage
-from stages.records import OWNER_CACHE, OWNER_INTAKE, OWNER_TOWER, RoomFailure, ReadyItem, WorkItem
+from stages.records import (OWNER_CACHE, OWNER_INTAKE, OWNER_TOWER, Encoded, EncodeFailed, ReadyItem, RoomAbandoned,
+                            RoomFailure, WorkItem)
 
 
 class HashCache:
@@ -37,7 +39,7 @@ class HashCache:
         an identical miss already in flight waits for it (both None). StaleLease: the
         pixels were reclaimed from a dead intake; the caller fails the room."""
         self.pixel_arena.transfer(w.pixels, OWNER_INTAKE, OWNER_CACHE)
-        w.key = self.key_of(w)
+        w = replace(w, key=self.key_of(w))
         self.flush_inserts()  # a key encoded a moment ago is a hit, not a second encode
         lease = self.cache.lookup(w.key, OWNER_CACHE)
         if lease is not None:
@@ -153,17 +155,27 @@ class CacheStage(Stage):
         self.emb_arena = emb_arena
 
     def handle(self, source: str, rec) -> None:
-        if source == "intake":
-            self._item(rec)
-        elif source == "tower":
-            self._encoded(rec)
-        elif source == "reaper":
-            for w in self.hc.forget_room(rec[1]):
-                self.emit("scheduler", w)
-                self.custody.release(w.slot, w.room)
-            self.custody.forget(rec[1])
-        else:
-            raise ValueError(f"cache: unexpected source {source!r}")
+        match rec:
+            case WorkItem():
+                self._item(rec)
+            case Encoded(item=w):
+                try:
+                    self.emb_arena.transfer(w.out, OWNER_TOWER, OWNER_CACHE)
+                except StaleLease:
+                    self._encode_failed(w, "embedding was lost (tower died)", {w.room})
+                    return
+                for ready in self.hc.on_encoded(w):  # waiters, in our custody
+                    self.emit("sender", ready)
+                    self.custody.release(ready.slot, ready.room)
+            case EncodeFailed(item=w, reason=reason, rooms=rooms):
+                self._encode_failed(w, reason, rooms)
+            case RoomAbandoned(room=room):
+                for w in self.hc.forget_room(room):
+                    self.emit("scheduler", w)
+                    self.custody.release(w.slot, w.room)
+                self.custody.forget(room)
+            case _:
+                raise ValueError(f"cache: unexpected record from {source}: {rec!r}")
 
     def tick(self, now: float) -> None:
         self.hc.flush_inserts()
@@ -192,19 +204,7 @@ class CacheStage(Stage):
             self.custody.release(w.slot, w.room)
         # else: waits, in our custody, for the identical item in flight
 
-    def _encoded(self, rec) -> None:
-        kind, w = rec[0], rec[1]
-        if kind == "encoded":
-            try:
-                self.emb_arena.transfer(w.out, OWNER_TOWER, OWNER_CACHE)
-            except StaleLease:
-                kind, rec = "failed", ("failed", w, "embedding was lost (tower died)", {w.room})
-        if kind == "encoded":
-            for ready in self.hc.on_encoded(w):  # waiters, in our custody
-                self.emit("sender", ready)
-                self.custody.release(ready.slot, ready.room)
-            return
-        _, w, reason, failed_rooms = rec
+    def _encode_failed(self, w: WorkItem, reason: str, failed_rooms) -> None:
         if not self.hc.leads(w):
             return  # replaced after its room failed: the waiters wait for its successor
         failed, again = self.hc.on_encode_failed(w.key, failed_rooms)
@@ -215,3 +215,11 @@ class CacheStage(Stage):
         if again is not None:
             self.emit("scheduler", again)
             self.custody.release(again.slot, again.room)
+
+
+def build(env, emit, custody) -> CacheStage:
+    cfg, spec, sh = env.cfg, env.spec, env.shared
+    cache = EmbeddingCache(sh.emb_arena, OWNER_CACHE, cfg.arena_cache_bytes, cfg.host_cache_bytes)
+    hc = HashCache(pixel_arena=sh.pixel_arena, cache=cache, hidden=spec.hidden, dtype=spec.dtype,
+                   trust_client_hash=cfg.trust_client_hash)
+    return CacheStage(emit, hc, sh.emb_arena, custody)

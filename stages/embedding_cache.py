@@ -48,7 +48,7 @@ Documented behaviours
       (``stale_dropped``); a lookup that finds one is a miss. A stale lease is never
       returned. ``insert`` of an already-stale lease returns False (counted too).
 
-Only the hash/cache stage touches the index, so there is no locking here.
+Only the cache stage touches the index, so there is no locking here.
 """
 from __future__ import annotations
 
@@ -164,14 +164,6 @@ class EmbeddingCache:
         self._c["hits_host"] += 1
         return self._promote(key, data, reader_owner)
 
-    def contains(self, key) -> Optional[str]:
-        """'arena', 'host' or None; no LRU touch, no counters."""
-        if key in self._t1:
-            return "arena"
-        if key in self._t2:
-            return "host"
-        return None
-
     def __contains__(self, key) -> bool:
         return key in self._t1 or key in self._t2
 
@@ -277,13 +269,6 @@ class EmbeddingCache:
             self.arena.drop(lease, owner)
         except StaleLease:
             pass
-
-    def check_stale(self) -> int:
-        """Drop every tier-1 entry whose lease is no longer valid; return how many."""
-        stale = [k for k, lease in self._t1.items() if not self.arena.valid(lease)]
-        for k in stale:
-            self._forget_stale(k)
-        return len(stale)
 
     # -- the rest --------------------------------------------------------
 

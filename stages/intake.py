@@ -16,7 +16,7 @@ from ipc.rooms import RoomState, RoomTable, TableFull
 from ipc import wire
 from ipc.stats import reason_class
 from ipc.wire import ProtocolError
-from stages.base import Stage
+from stages.base import POLL_S, Stage
 from stages.records import OWNER_INTAKE, RoomFailure, RoomOpened, WorkItem
 
 log = logging.getLogger("epd.intake")
@@ -214,11 +214,11 @@ class Intake:
             self._seq += 1
             items.append(WorkItem(
                 slot=slot, room=room, item=i, seq=self._seq, modality=it.modality,
-                grid_thw=[list(g) for g in it.grid_thw], pixel_dtype=it.pixels.dtype,
+                grid_thw=tuple(tuple(g) for g in it.grid_thw), pixel_dtype=it.pixels.dtype,
                 n_patches=it.pixels.shape[0], patch_dim=it.pixels.shape[1], span=sp,
                 pixels=lease, client_hash=it.hash))
         self.requests[("accepted", "none")] += 1
-        return IntakeResult(opened=RoomOpened(slot, room, req.request_id, spans, deadline),
+        return IntakeResult(opened=RoomOpened(slot, room, req.request_id, tuple(spans), deadline),
                             items=items)
 
     @staticmethod
@@ -261,23 +261,51 @@ class Intake:
 class IntakeStage(Stage):
     """Frames from the intake socket in; rooms to the reaper and sender, items to the cache.
 
-    `journal(room, names)` (set by the pipeline host) records the room and segment
-    names of the frame being handled, so that if this process dies mid-frame the supervisor can
-    unlink the segments it was about to take.
+    With a `journal` (the pipeline's), the room and segment names of the frame being
+    handled are recorded in shared memory, so that the successor of an intake that died
+    mid-frame unlinks the segments it was about to take and fails that room.
     """
 
     name = "intake"
     owner = OWNER_INTAKE
 
-    def __init__(self, emit, intake: Intake, custody=None, journal=None):
+    def __init__(self, emit, intake: Intake, custody=None, *, endpoint: str = "", max_frame: int = 0,
+                 journal=None):
         super().__init__(emit, custody)
         self.intake = intake
+        self.endpoint = endpoint
+        self.max_frame = max_frame
         self.journal = journal
-        intake.journal = journal
+        intake.journal = journal.record if journal is not None else None
         self.stalled: tuple[bytes, float] | None = None
 
-    def accepting(self) -> bool:
+    def socket(self) -> tuple[str, int] | None:
+        return (self.endpoint, self.max_frame) if self.endpoint else None
+
+    def takes_frames(self) -> bool:
         return self.stalled is None
+
+    def start(self) -> None:
+        if self.journal is None:
+            return
+        room, names = self.journal.read()
+        for name in names:
+            self._unlink_client_segment(name)
+        self.journal.record(None, [])
+        if room is not None and self.intake.rooms.find(room) is None:
+            self.emit("reaper", RoomFailure(None, room, "the intake stage died while it held this room"))
+
+    def _unlink_client_segment(self, name: str) -> None:
+        """By the rules intake takes segments by: a name under the prefix, a regular file of ours."""
+        if not name or self.intake.segment_name_problem(name) is not None:
+            return
+        path = os.path.join(shm.SHM_DIR, name[1:])
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
 
     def handle(self, source: str, frame) -> None:
         self._handle(frame, time.monotonic())
@@ -299,7 +327,7 @@ class IntakeStage(Stage):
             self.intake.rooms.advance(o.slot, o.room, RoomState.QUEUED)
             self.custody.release(o.slot, o.room)
         if self.journal is not None:
-            self.journal(None, [])
+            self.journal.record(None, [])
 
     def tick(self, now: float) -> None:
         if self.stalled is not None:
@@ -307,9 +335,22 @@ class IntakeStage(Stage):
             self.stalled = None
             self._handle(frame, arrival)
 
-    def busy(self) -> bool:
-        return self.stalled is not None
+    def next_tick_in(self, now: float) -> float | None:
+        return POLL_S if self.stalled is not None else None  # until the pixel arena has room
 
     def stats(self) -> dict:
         return {"intake_dropped": dict(self.intake.dropped), "intake_failed": dict(self.intake.failed),
                 "requests": dict(self.intake.requests)}
+
+
+def build(env, emit, custody) -> IntakeStage:
+    cfg, spec = env.cfg, env.spec
+    intake = Intake(prefix=cfg.shm_prefix, run_id=env.run_id, pixel_arena=env.shared.pixel_arena,
+                    rooms=env.shared.rooms, patch_dim=spec.patch_dim, merge=spec.merge,
+                    max_items_per_request=cfg.max_items_per_request,
+                    max_pixel_bytes_per_request=cfg.max_pixel_bytes_per_request,
+                    max_live_rooms=cfg.max_live_rooms)
+    # Inline pixels of a whole request, and room for its item list.
+    max_frame = cfg.max_pixel_bytes_per_request + (1 << 20) + 4096 * cfg.max_items_per_request
+    return IntakeStage(emit, intake, custody, endpoint=cfg.intake, max_frame=max_frame,
+                       journal=env.journal)

@@ -19,7 +19,9 @@ from ipc.rooms import RoomState, RoomTable, TableFull
 from ipc import wire
 from ipc.stats import Histogram, reason_class
 from stages.base import Stage
-from stages.records import OWNER_REAPER, RoomFailure, RoomOpened
+from stages.records import (OWNER_REAPER, AllocSeen, Fence, Fenced, ItemDone, LateAlloc, Registered,
+                            ResendRegistrations, RoomAbandoned, RoomFailure, RoomOpened, RoomsLost,
+                            RoomSucceeded, SenderRestarted, ShardWritten, UnknownRoom)
 
 log = logging.getLogger("epd.reaper")
 
@@ -115,7 +117,6 @@ class Reaper:
         self.outcomes = Counter()
         self.concluded_by_reason = Counter()  # (outcome, reason class) -> rooms
         self.latency = Histogram()            # room opened to concluded, seconds
-        self.conclusions: list[tuple[int, str, str]] = []  # (room, "success"|"failed", reason), for callers
         self.to_mark: list[tuple[int, int, str]] = []  # (slot, room, reason): fenced, not yet Failed in the table
 
     # ------------------------------------------------------------ inputs
@@ -127,78 +128,83 @@ class Reaper:
         if o.deadline:
             heapq.heappush(self.deadlines, (o.deadline, o.slot, o.room))
 
-    def on_event(self, ev: tuple) -> None:
-        kind = ev[0]
-        if kind == "register":
-            self.registrations[ev[1].receiver] = ev[1]
-            self.pusher.register(ev[1].receiver, ev[1].status)
-        elif kind == "alloc_seen":
-            self.told.setdefault(ev[1], _Told()).known.add(ev[2])
-        elif kind == "success":
-            _, room, item, receiver = ev
-            told = self.told.setdefault(room, _Told())
-            if receiver in told.failed or item in told.success.get(receiver, ()):
-                return
-            told.success.setdefault(receiver, set()).add(item)
-            self.pusher.send(receiver, wire.status_message(room, item, True))
-        elif kind == "item_done":
-            # The count so far, not "one more": a successor handed the record its
-            # predecessor died with must not count the item twice (and end the room early).
-            _, slot, room, item, done_so_far = ev
-            done = self.rooms.item_done(slot, room, done_so_far)
-            entry = self.rooms.get(slot)
-            if entry is not None and entry.room == room and done >= entry.items_total:
-                if self.rooms.succeed(slot, room):
-                    self.forget(room)
-                    self._concluded(room, slot, "success", "")
-        elif kind == "fail":
-            _, slot, room, reason = ev
-            self.fail(RoomFailure(slot, room, reason))
-        elif kind == "fenced":
-            _, room, receivers = ev
-            reason = self.reasons.pop(room, None)
-            if reason is None:
-                entry = self._entry(room)
-                if entry is not None and entry.state == RoomState.SUCCESS:
-                    # A cancel (or a failure) that reached the sender after the room had
-                    # succeeded: every receiver has its successes, there is nothing to tell.
+    def on_event(self, ev) -> None:
+        """One of the sender's events (stages/records.py: sender -> reaper)."""
+        match ev:
+            case Registered(registration=reg):
+                self.registrations[reg.receiver] = reg
+                self.pusher.register(reg.receiver, reg.status)
+            case AllocSeen(room=room, receiver=receiver):
+                self.told.setdefault(room, _Told()).known.add(receiver)
+            case ShardWritten(room=room, item=item, receiver=receiver):
+                told = self.told.setdefault(room, _Told())
+                if receiver in told.failed or item in told.success.get(receiver, ()):
                     return
-                if entry is not None and entry.state < RoomState.SUCCESS:
-                    # The answer to a predecessor's fence, for a room it died before marking
-                    # Failed: the record it died with comes again and fences it again.
-                    return
-                reason = entry.reason if entry else "room failed"
-            told = self.told.get(room, _Told())
-            to = set(receivers) | told.known
+                told.success.setdefault(receiver, set()).add(item)
+                self.pusher.send(receiver, wire.status_message(room, item, True))
+            case ItemDone(slot=slot, room=room, done=done_so_far):
+                # The count so far, not "one more": a successor handed the record its
+                # predecessor died with must not count the item twice (and end the room early).
+                done = self.rooms.item_done(slot, room, done_so_far)
+                entry = self.rooms.get(slot)
+                if entry is not None and entry.room == room and done >= entry.items_total:
+                    if self.rooms.succeed(slot, room):
+                        self.forget(room)
+                        self._concluded(room, slot, "success", "")
+            case RoomFailure():
+                self.fail(ev)
+            case Fenced(room=room, receivers=receivers):
+                self._fenced(room, receivers)
+            case LateAlloc(room=room, receiver=receiver):
+                self._alloc_after_all(room, receiver, "unknown room")
+            case UnknownRoom(room=room, receiver=receiver, reason=reason):
+                self._alloc_after_all(room, receiver, reason)
+            case _:
+                raise ValueError(f"unknown event {ev!r}")
+
+    def _fenced(self, room: int, receivers) -> None:
+        reason = self.reasons.pop(room, None)
+        if reason is None:
             entry = self._entry(room)
-            if not to and entry is not None and entry.created <= self.sender_died_at:
-                # Allocs a dead sender had received were never acknowledged, so who sent
-                # them is unknown: every registered receiver hears (and ignores a room it
-                # never allocated for), so that none waits forever.
-                to = set(self.registrations)
-            for r in sorted(to):
-                self._tell_failed(room, r, reason)
-        elif kind in ("late_alloc", "unknown_room"):
-            room, receiver = ev[1], ev[2]
-            entry = self._entry(room)
-            if entry is None:
-                reason = ev[3] if kind == "unknown_room" else "unknown room"
-                if room not in self.tombstones:
-                    # Whom we told about a room we never had is remembered as long as a
-                    # tombstone, and as boundedly: hostile allocs must not grow `told`.
-                    self.tombstones[room] = (time.monotonic(), None)
-            elif entry.state == RoomState.FAILED:
-                reason = entry.reason
-            elif room in self.reasons:  # failing, fence not yet answered: it will tell them
+            if entry is not None and entry.state == RoomState.SUCCESS:
+                # A cancel (or a failure) that reached the sender after the room had
+                # succeeded: every receiver has its successes, there is nothing to tell.
                 return
-            else:
-                reason = "room already concluded"
-            told = self.told.get(room)
-            if told is not None and (receiver in told.failed or receiver in told.success):
+            if entry is not None and entry.state < RoomState.SUCCESS:
+                # The answer to a predecessor's fence, for a room it died before marking
+                # Failed: the record it died with comes again and fences it again.
                 return
-            self._tell_failed(room, receiver, reason)
+            reason = entry.reason if entry else "room failed"
+        told = self.told.get(room, _Told())
+        to = set(receivers) | told.known
+        entry = self._entry(room)
+        if not to and entry is not None and entry.created <= self.sender_died_at:
+            # Allocs a dead sender had received were never acknowledged, so who sent
+            # them is unknown: every registered receiver hears (and ignores a room it
+            # never allocated for), so that none waits forever.
+            to = set(self.registrations)
+        for r in sorted(to):
+            self._tell_failed(room, r, reason)
+
+    def _alloc_after_all(self, room: int, receiver: str, unknown_reason: str) -> None:
+        """An alloc for a room that is concluded, or was never seen (`unknown_reason`)."""
+        entry = self._entry(room)
+        if entry is None:
+            reason = unknown_reason
+            if room not in self.tombstones:
+                # Whom we told about a room we never had is remembered as long as a
+                # tombstone, and as boundedly: hostile allocs must not grow `told`.
+                self.tombstones[room] = (time.monotonic(), None)
+        elif entry.state == RoomState.FAILED:
+            reason = entry.reason
+        elif room in self.reasons:  # failing, fence not yet answered: it will tell them
+            return
         else:
-            raise ValueError(f"unknown event {kind!r}")
+            reason = "room already concluded"
+        told = self.told.get(room)
+        if told is not None and (receiver in told.failed or receiver in told.success):
+            return
+        self._tell_failed(room, receiver, reason)
 
     def fail(self, f: RoomFailure) -> None:
         """Fail a live room (first conclusion wins): fence it at the sender and tell the
@@ -270,7 +276,6 @@ class Reaper:
         entry = self.rooms.get(slot)
         if entry is not None and entry.room == room and entry.concluded:
             self.latency.observe(max(0.0, entry.concluded - entry.created))
-        self.conclusions.append((room, outcome, reason))
         self.tombstones.pop(room, None)  # an unknown room's, if any: this one is newer
         self.tombstones[room] = (time.monotonic(), slot)
         if outcome == "failed":
@@ -284,19 +289,19 @@ class ReaperStage(Stage):
 
     name = "reaper"
     owner = OWNER_REAPER
+    one_record_at_a_time = True  # a status sent cannot be taken back
 
     def __init__(self, emit, *, rooms: RoomTable, pusher: StatusPusher, tombstone_ttl_s: float,
                  max_tombstones: int, custody=None):
         super().__init__(emit, custody)
         self.reaper = Reaper(rooms=rooms, pusher=pusher,
-                             fence=lambda room: self.emit("sender", ("fence", room)),
-                             forget=lambda room: self.emit("sender", ("forget", room)),
+                             fence=lambda room: self.emit("sender", Fence(room)),
+                             forget=lambda room: self.emit("sender", RoomSucceeded(room)),
                              abandon=self._abandon,
                              tombstone_ttl_s=tombstone_ttl_s, max_tombstones=max_tombstones)
-        self.on_conclusion = None  # a hook for hosts that watch rooms conclude
 
-    def recover(self) -> None:
-        """A restarted reaper: pick up deadlines and tombstones from the room table."""
+    def start(self) -> None:
+        """Pick up deadlines and tombstones from the room table (a predecessor's, if any)."""
         r = self.reaper
         for e in r.rooms.entries():
             if e.state < RoomState.SUCCESS:
@@ -306,53 +311,44 @@ class ReaperStage(Stage):
             else:
                 r.tombstones[e.room] = (e.concluded, e.slot)
         r.tombstones = OrderedDict(sorted(r.tombstones.items(), key=lambda kv: kv[1][0]))
-        # The receivers' status endpoints died with the predecessor: the sender knows them.
-        self.emit("sender", ("resend_registrations",))
+        # The receivers' status endpoints died with a predecessor: the sender knows them.
+        self.emit("sender", ResendRegistrations())
 
     def handle(self, source: str, rec) -> None:
         r = self.reaper
-        if source == "sender":
-            r.on_event(rec)
-        elif isinstance(rec, RoomOpened):
-            r.on_opened(rec)
-        elif isinstance(rec, RoomFailure):
-            r.fail(rec)
-        elif source == "supervisor":
-            kind = rec[0]
-            if kind == "fail_rooms":
-                _, rooms, reason, sender_dead = rec
-                if sender_dead:
+        match rec:
+            case RoomOpened():
+                r.on_opened(rec)
+            case RoomFailure():
+                r.fail(rec)
+            case RoomsLost(rooms=rooms, reason=reason, died=died):
+                writes_gone = died == "sender"
+                if writes_gone:
                     r.sender_died_at = time.monotonic()
                 for slot, room in rooms:
                     r.fail(RoomFailure(slot, room, reason))
-                    if sender_dead:
-                        # Its process is gone, and its writes with it: that is the fence.
-                        r.on_event(("fenced", room, []))
-            elif kind == "sender_restarted":
+                    if writes_gone:
+                        # The sender's process is gone, and its writes with it: that is the fence.
+                        r.on_event(Fenced(room, ()))
+            case SenderRestarted():
                 for reg in r.registrations.values():
-                    self.emit("sender", ("register", reg))
-        else:
-            raise ValueError(f"reaper: unexpected record from {source!r}: {rec!r}")
-        self._after()
+                    self.emit("sender", Registered(reg))
+            case _:
+                r.on_event(rec)
 
     def tick(self, now: float) -> None:
         self.reaper.tick(now)
-        self._after()
+
+    def next_tick_in(self, now: float) -> float | None:
+        r = self.reaper
+        return max(0.0, r.deadlines[0][0] - now) if r.deadlines else None
 
     def pushed(self) -> None:
         self.reaper.mark_failed()
-        self._after()
 
     def _abandon(self, room: int) -> None:
-        self.emit("cache", ("forget_room", room))
-        self.emit("scheduler", ("remove_room", room))
-
-    def _after(self) -> None:
-        r = self.reaper
-        if r.conclusions:
-            if self.on_conclusion is not None:
-                self.on_conclusion(r.conclusions)
-            r.conclusions = []
+        self.emit("cache", RoomAbandoned(room))
+        self.emit("scheduler", RoomAbandoned(room))
 
     def stats(self) -> dict:
         r = self.reaper
@@ -361,3 +357,10 @@ class ReaperStage(Stage):
 
     def close(self) -> None:
         self.reaper.pusher.close()
+
+
+def build(env, emit, custody) -> ReaperStage:
+    cfg = env.cfg
+    return ReaperStage(emit, rooms=env.shared.rooms, pusher=StatusPusher(env.zmq_context, cfg.status_hwm),
+                       tombstone_ttl_s=cfg.tombstone_ttl_s, max_tombstones=cfg.max_tombstones,
+                       custody=custody)

@@ -1,32 +1,66 @@
-"""Records that move between stages. Small: pixels and rows stay in the arenas.
+"""Every record that moves between stages, and who sends it to whom.
 
-Owners: each stage holds arena references under its own owner number, so the
-supervisor can reclaim exactly what a dead stage held.
+Records are small immutable values: pixels and rows stay in the arenas, a record
+carries leases into them. A stage handles its records with `match`. The same
+values travel through an in-memory queue (one process) or a shared-memory ring
+(one process per stage, pickled). "supervisor" is the runtime around the stages
+(the supervisor process, or the in-process worker's own loop).
+
+| record | from | to | carries |
+| --- | --- | --- | --- |
+| RoomOpened | intake | sender, reaper | an accepted room: its slot, request id, each item's span, deadline |
+| WorkItem | intake | cache | one item: its pixels in the pixel arena, grid, dtype, span |
+| WorkItem | cache | scheduler | a miss (its cache key set), to be encoded |
+| Batch | scheduler | tower | the items of one tower batch, output space reserved in the embedding arena |
+| ReadyItem | tower | sender | a fresh item's rows in the embedding arena |
+| ReadyItem | cache | sender | a cache hit's rows, or a waiter served by an identical item's encode |
+| Encoded | tower | cache | the encoded item, so the cache keeps its rows and serves its waiters |
+| EncodeFailed | tower | cache | the item the tower failed on, with the reason and the batch's rooms |
+| TowerCredit | tower | scheduler | one batch finished: the scheduler may send another |
+| TowerRestarted | tower | scheduler | a new tower process: credits of batches its predecessor held are gone |
+| RoomFailure | intake | reaper | a request that broke a rule |
+| RoomFailure | cache | reaper | pixels lost, or the tower failed on a room's item |
+| RoomFailure | scheduler | reaper | pixels lost before scheduling |
+| RoomFailure | tower | reaper | pixels or output space lost |
+| RoomFailure | sender | reaper | a bad alloc, a failed write, a cancel, a bootstrap timeout |
+| Registered | sender | reaper | a receiver (re)registered: its status endpoint |
+| Registered | reaper | sender | registrations again, for a restarted sender |
+| SenderRestarted | sender | reaper | a new sender process: it needs the registrations again |
+| AllocSeen | sender | reaper | a receiver's first alloc for a live room (it must hear how the room ends) |
+| ShardWritten | sender | reaper | one receiver's rows of an item are written: tell it `success` |
+| ItemDone | sender | reaper | every shard of an item is written, and how many of the room's items are |
+| Fenced | sender | reaper | no write for the room is in flight or can start: tell its receivers `failed` |
+| LateAlloc | sender | reaper | an alloc for a room that is already concluded |
+| UnknownRoom | sender | reaper | an alloc for a room never seen, timed out or refused |
+| ResendRegistrations | reaper | sender | a new reaper process: it needs the registrations again |
+| Fence | reaper | sender | the room failed: stop its writes and answer `Fenced` |
+| RoomSucceeded | reaper | sender | the room succeeded: drop what is left of it |
+| RoomAbandoned | reaper | cache, scheduler | the room failed: drop its items that wait |
+| RoomsLost | supervisor | reaper | rooms a dead stage held (or live at a drain's end): fail them |
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ipc.arena import Lease
+from ipc.wire import Register
 
+# Each stage holds arena references under its own owner number, and the same number
+# is its custody bit in the room table, so the supervisor can reclaim exactly what a
+# dead stage held and fail exactly its rooms.
 OWNER_SUPERVISOR, OWNER_INTAKE, OWNER_CACHE, OWNER_SCHEDULER, OWNER_TOWER, OWNER_SENDER, OWNER_REAPER = range(7)
-STAGE_NAMES = {OWNER_INTAKE: "intake", OWNER_CACHE: "hash/cache", OWNER_SCHEDULER: "scheduler",
-               OWNER_TOWER: "tower", OWNER_SENDER: "sender", OWNER_REAPER: "reaper"}
-# In start order: a stage's consumers come after it only where a cycle forces otherwise.
-STAGES = ["reaper", "sender", "tower", "scheduler", "cache", "intake"]
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class RoomOpened:
-    """Intake accepted a room: what the sender needs to check allocs and the reaper to time it."""
     slot: int
     room: int
     request_id: str
-    spans: list[int]
+    spans: tuple[int, ...]
     deadline: float  # time.monotonic() seconds; 0 = none
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class WorkItem:
     """One vision item on its way to an embedding."""
     slot: int
@@ -34,20 +68,25 @@ class WorkItem:
     item: int
     seq: int                 # arrival order, for FIFO scheduling
     modality: str
-    grid_thw: list
+    grid_thw: tuple
     pixel_dtype: str
     n_patches: int
     patch_dim: int
     span: int
-    pixels: Lease            # in the pixel arena
+    pixels: Lease | None     # in the pixel arena; None once the tower let go of them
     client_hash: int | None = None
     key: tuple | None = None  # cache key, once hashed
     out: Lease | None = None  # in the embedding arena, once the scheduler reserved it
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
+class Batch:
+    items: tuple[WorkItem, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class ReadyItem:
-    """An item's rows lie in the embedding arena; the sender holds one reference on `lease`."""
+    """An item's rows lie in the embedding arena; the receiving stage holds one reference on `lease`."""
     slot: int
     room: int
     item: int
@@ -55,9 +94,110 @@ class ReadyItem:
     lease: Lease
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    item: WorkItem
+
+
+@dataclass(frozen=True, slots=True)
+class EncodeFailed:
+    item: WorkItem
+    reason: str
+    rooms: frozenset[int]
+
+
+@dataclass(frozen=True, slots=True)
+class TowerCredit:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class TowerRestarted:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
 class RoomFailure:
-    """A stage found that a room cannot succeed; the reaper concludes it."""
-    slot: int
+    """A stage found that a room cannot succeed; the reaper concludes it. `slot` None: a
+    room the sender saw only in allocs (never opened)."""
+    slot: int | None
     room: int
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Registered:
+    registration: Register
+
+
+@dataclass(frozen=True, slots=True)
+class SenderRestarted:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class AllocSeen:
+    room: int
+    receiver: str
+
+
+@dataclass(frozen=True, slots=True)
+class ShardWritten:
+    room: int
+    item: int
+    receiver: str
+
+
+@dataclass(frozen=True, slots=True)
+class ItemDone:
+    slot: int
+    room: int
+    item: int
+    done: int  # the room's items written so far: a successor that handles this again counts nothing twice
+
+
+@dataclass(frozen=True, slots=True)
+class Fenced:
+    room: int
+    receivers: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LateAlloc:
+    room: int
+    receiver: str
+
+
+@dataclass(frozen=True, slots=True)
+class UnknownRoom:
+    room: int
+    receiver: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ResendRegistrations:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    room: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoomSucceeded:
+    room: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoomAbandoned:
+    room: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoomsLost:
+    rooms: tuple[tuple[int | None, int], ...]  # (slot, room); slot None: not in the table yet
+    reason: str
+    died: str = ""  # the stage that died holding them; "" at a drain's end
+

@@ -25,10 +25,13 @@ for a rare event.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
-from stages.base import Stage
+from ipc.arena import Lease, StaleLease
+from stages.base import POLL_S, Stage
+from stages.records import (OWNER_CACHE, OWNER_SCHEDULER, Batch, RoomAbandoned, RoomFailure, TowerCredit,
+                            TowerRestarted, WorkItem)
 
 
 @dataclass(frozen=True, order=True)
@@ -142,54 +145,45 @@ class SchedulerStage(Stage):
     """
 
     name = "scheduler"
+    owner = OWNER_SCHEDULER
 
     def __init__(self, emit, scheduler: Scheduler, *, pixel_arena, emb_arena, entry_bytes,
-                 owner: int, prev_owner: int, custody, depth: int = 2):
-        from stages.base import Custody
-
-        self.emit = emit
+                 custody=None, depth: int = 2):
+        super().__init__(emit, custody)
         self.scheduler = scheduler
         self.pixel_arena = pixel_arena
         self.emb_arena = emb_arena
         self.entry_bytes = entry_bytes  # span -> bytes of the item's rows
-        self.owner = owner
-        self.prev_owner = prev_owner
-        self.custody = custody or Custody()
         self.depth = depth
         self.credits = depth
+        self.reserved: dict[tuple[int, int], Lease] = {}  # (room, item) -> output space, for the batch at hand
 
     def handle(self, source: str, rec) -> None:
-        from ipc.arena import StaleLease
-        from stages.records import RoomFailure
-
-        if source == "cache":
-            w = rec
-            self.custody.hold(w.slot, w.room)
-            try:
-                self.pixel_arena.transfer(w.pixels, self.prev_owner, self.owner)
-            except StaleLease:
-                self.emit("reaper", RoomFailure(w.slot, w.room, "pixels were lost before scheduling (cache died)"))
-                self.custody.release(w.slot, w.room)
-                return
-            self.scheduler.add(Pending(w.seq, w.room, w.item, w.span, w))
-        elif source == "tower":
-            if rec[0] == "restarted":
+        match rec:
+            case WorkItem() as w:
+                self.custody.hold(w.slot, w.room)
+                try:
+                    self.pixel_arena.transfer(w.pixels, OWNER_CACHE, self.owner)
+                except StaleLease:
+                    self.emit("reaper", RoomFailure(w.slot, w.room,
+                                                    "pixels were lost before scheduling (cache died)"))
+                    self.custody.release(w.slot, w.room)
+                    return
+                self.scheduler.add(Pending(w.seq, w.room, w.item, w.span, w))
+            case TowerRestarted():
                 # The batches its predecessor held died with it and will hand no credit back.
                 # Those still in the ring will: a cap of `depth` keeps them from adding up.
                 self.credits = self.depth
-            else:
+            case TowerCredit():
                 self.credits = min(self.credits + 1, self.depth)
-        elif source == "reaper":
-            room = rec[1]
-            for p in self.scheduler.remove_room(room):
-                self._drop(p.payload)
-            self.custody.forget(room)
-        else:
-            raise ValueError(f"scheduler: unexpected source {source!r}")
+            case RoomAbandoned(room=room):
+                for p in self.scheduler.remove_room(room):
+                    self._release_leases(p.payload)
+                self.custody.forget(room)
+            case _:
+                raise ValueError(f"scheduler: unexpected record from {source}: {rec!r}")
 
-    def _drop(self, w) -> None:
-        from ipc.arena import StaleLease
-
+    def _release_leases(self, w: WorkItem) -> None:
         for arena, lease in ((self.pixel_arena, w.pixels), (self.emb_arena, w.out)):
             if lease is not None:
                 try:
@@ -198,16 +192,14 @@ class SchedulerStage(Stage):
                     pass
 
     def _reserve(self, batch: list[Pending]) -> bool:
-        taken = []
         for p in batch:
             lease = self.emb_arena.alloc(self.entry_bytes(p.span), self.owner)
             if lease is None:
-                for w in taken:
-                    self.emb_arena.drop(w.out, self.owner)
-                    w.out = None
+                for taken in self.reserved.values():
+                    self.emb_arena.drop(taken, self.owner)
+                self.reserved.clear()
                 return False
-            p.payload.out = lease
-            taken.append(p.payload)
+            self.reserved[(p.room, p.item)] = lease
         return True
 
     def tick(self, now: float) -> None:
@@ -216,16 +208,21 @@ class SchedulerStage(Stage):
             if not batch:
                 return
             self.credits -= 1
-            items = [p.payload for p in batch]
-            self.emit("tower", items)
+            items = tuple(replace(p.payload, out=self.reserved.pop((p.room, p.item))) for p in batch)
+            self.emit("tower", Batch(items))
             for w in items:
                 self.custody.release(w.slot, w.room)
 
-    def busy(self) -> bool:
-        return self.credits > 0 and len(self.scheduler) > 0
+    def next_tick_in(self, now: float) -> float | None:
+        # Items wait for a credit (the tower's answer wakes us) or for embedding space (poll).
+        return POLL_S if self.credits > 0 and len(self.scheduler) > 0 else None
 
     def stats(self) -> dict:
-        return {"scheduler_pending": len(self.scheduler)}
+        return {"scheduler_pending": len(self.scheduler), "scheduler_pending_tokens": self.scheduler.pending_tokens()}
 
-    def close(self) -> None:
-        pass
+
+def build(env, emit, custody) -> SchedulerStage:
+    cfg, spec, sh = env.cfg, env.spec, env.shared
+    return SchedulerStage(emit, Scheduler(cfg.max_tokens_per_batch, cfg.max_items_per_batch),
+                          pixel_arena=sh.pixel_arena, emb_arena=sh.emb_arena,
+                          entry_bytes=lambda span: span * spec.row_bytes, custody=custody)

@@ -4,18 +4,7 @@ It owns the Mooncake engine and the bootstrap socket's messages. It never sends 
 status itself: everything a receiver should hear goes to the reaper as an event,
 so that one place decides what each receiver is told, exactly once.
 
-Events (tuples) to the reaper:
-  ("register", Register)                       a receiver (re)registered
-  ("success", room, item, receiver)            that receiver's rows of the item are written
-  ("item_done", slot, room, item, done)        every shard of the item is written; `done` items
-                                               of the room are, in all
-  ("fail", slot, room, reason)                 the room cannot succeed (slot None: not opened)
-  ("fenced", room, [receivers])                no write for the room is in flight or can start
-  ("late_alloc", room, receiver)               alloc for a room that is already concluded
-  ("unknown_room", room, receiver, reason)     an alloc for a room never seen, held bootstrap_timeout_s
-                                               or refused (max_held_allocs)
-  ("alloc_seen", room, receiver)               first alloc of a receiver for a live room (so the
-                                               reaper can tell it `failed` even if this process dies)
+Its events to the reaper are the sender -> reaper records of stages/records.py.
 """
 from __future__ import annotations
 
@@ -29,8 +18,10 @@ from ipc.rooms import RoomState, RoomTable
 from ipc import wire
 from ipc.stats import Histogram
 from ipc.wire import Alloc, Cancel, ProtocolError, Register
-from stages.base import Stage
-from stages.records import OWNER_CACHE, OWNER_SENDER, OWNER_TOWER, STAGE_NAMES, ReadyItem, RoomOpened
+from stages.base import POLL_S, Stage
+from stages.records import (OWNER_CACHE, OWNER_SENDER, OWNER_TOWER, AllocSeen, Fence, Fenced, ItemDone, LateAlloc,
+                            ReadyItem, Registered, ResendRegistrations, RoomFailure, RoomOpened, RoomSucceeded,
+                            SenderRestarted, ShardWritten, UnknownRoom)
 
 log = logging.getLogger("epd.sender")
 
@@ -88,7 +79,7 @@ class Sender:
         # table says Failed, so on_opened cannot rely on the table alone.
         self.fenced_unopened: OrderedDict[int, float] = OrderedDict()  # room -> when fenced
         self.n_held = 0
-        self.events: list[tuple] = []
+        self.events: list = []  # records for the reaper
         self.dropped = Counter()
         self.bytes_written = 0
         self.transfer_seconds = Histogram()
@@ -114,7 +105,7 @@ class Sender:
                 self._drop(f"register: {MAX_RECEIVERS} receivers are registered already")
                 return
             self.receivers[m.receiver] = m
-            self.events.append(("register", m))
+            self.events.append(Registered(m))
         elif m.receiver not in self.receivers:
             self._drop(f"{type(m).__name__.lower()} from unregistered receiver")
         elif isinstance(m, Cancel):
@@ -128,7 +119,7 @@ class Sender:
         if fenced or entry is None or entry.room != opened.room or entry.state >= RoomState.SUCCESS:
             # Concluded before it reached us (failed elsewhere): answer what was held.
             for _, a in self.held.pop(opened.room, []):
-                self.events.append(("late_alloc", opened.room, a.receiver))
+                self.events.append(LateAlloc(opened.room, a.receiver))
             for r in self.early.pop(opened.room, []):
                 self._release(r)
             self._recount_held()
@@ -147,7 +138,7 @@ class Sender:
         except StaleLease:
             tx = self.live.get(r.room)
             if tx is not None:
-                who = STAGE_NAMES.get(from_owner, "a stage")
+                who = "tower" if from_owner == OWNER_TOWER else "cache"
                 self._fail(r.room, tx, f"embedding was lost before it could be sent ({who} died)")
             return
         tx = self.live.get(r.room)
@@ -179,11 +170,11 @@ class Sender:
             entry = self.rooms.get(slot) if slot is not None else None
             if (entry is not None and entry.state in (RoomState.SUCCESS, RoomState.FAILED)
                     or self._fenced_unopened(a.room, entry, pop=False)):
-                self.events.append(("late_alloc", a.room, a.receiver))
+                self.events.append(LateAlloc(a.room, a.receiver))
                 return
             if self.n_held >= self.max_held_allocs:
                 self._drop("alloc for an unknown room: too many held (max_held_allocs)")
-                self.events.append(("unknown_room", a.room, a.receiver,
+                self.events.append(UnknownRoom(a.room, a.receiver,
                                     f"alloc for a room this worker has not seen, and it already holds "
                                     f"{self.max_held_allocs} such allocs (max_held_allocs)"))
                 return
@@ -192,7 +183,7 @@ class Sender:
             return
         if a.receiver not in tx.receivers:
             tx.receivers.add(a.receiver)
-            self.events.append(("alloc_seen", a.room, a.receiver))
+            self.events.append(AllocSeen(a.room, a.receiver))
         if tx.failing:
             return
         problem = self._check_alloc(a, tx)
@@ -258,7 +249,7 @@ class Sender:
         if not self.arena.valid(it.ready.lease):
             self._fail(room, tx, "embedding was reclaimed before it could be sent")
             return
-        # no owner: the table's owner field is the custody bit mask, which a number would overwrite
+        # no owner: the table's holders field is the custody bit mask, which a number would overwrite
         self.rooms.advance(tx.slot, room, RoomState.TRANSFERRING)
         base = self.arena.address + it.ready.lease.offset
         main_row = self.hidden * self.itemsize
@@ -266,7 +257,7 @@ class Sender:
         ds_base = base + it.span * main_row
         for a in it.allocs:
             if not a.n_rows:
-                self.events.append(("success", room, item, a.receiver))
+                self.events.append(ShardWritten(room, item, a.receiver))
                 continue
             srcs = [base + a.row_start * main_row]
             dsts = [a.dst]
@@ -300,7 +291,7 @@ class Sender:
         self._release(it.ready)
         it.ready = None
         tx.done += 1
-        self.events.append(("item_done", tx.slot, room, item, tx.done))
+        self.events.append(ItemDone(tx.slot, room, item, tx.done))
 
     def poll(self, now: float | None = None) -> None:
         """Collect finished writes; time out what waited too long for its allocs."""
@@ -333,7 +324,7 @@ class Sender:
             if not ok:
                 self.transfer_failures += 1
             if ok and not tx.failing:
-                self.events.append(("success", room, w.item, w.receiver))
+                self.events.append(ShardWritten(room, w.item, w.receiver))
             elif not ok:
                 reason = getattr(w.pending, "error", "") or "write failed"
                 self._fail(room, tx, f"transfer to receiver {w.receiver} failed: {reason}")
@@ -362,7 +353,7 @@ class Sender:
             keep = [(t, a) for t, a in held if t >= limit]
             for t, a in held:
                 if t < limit:
-                    self.events.append(("unknown_room", room, a.receiver, "unknown room"))
+                    self.events.append(UnknownRoom(room, a.receiver, "unknown room"))
             self.n_held -= len(held) - len(keep)
             if keep:
                 self.held[room] = keep
@@ -372,7 +363,7 @@ class Sender:
     # ------------------------------------------------------------ failing
     def _fail(self, room: int, tx: _RoomTx, reason: str) -> None:
         if not tx.failing:
-            self.events.append(("fail", tx.slot, room, reason))
+            self.events.append(RoomFailure(tx.slot, room, reason))
             self.fence(room)
 
     def fence(self, room: int) -> None:
@@ -386,7 +377,7 @@ class Sender:
             for r in self.early.pop(room, []):
                 self._release(r)
             self._recount_held()
-            self.events.append(("fenced", room, receivers))
+            self.events.append(Fenced(room, tuple(receivers)))
             return
         if not tx.failing:
             tx.failing = True
@@ -398,7 +389,7 @@ class Sender:
             self._conclude_fence(room, tx)
 
     def _conclude_fence(self, room: int, tx: _RoomTx) -> None:
-        self.events.append(("fenced", room, sorted(tx.receivers)))
+        self.events.append(Fenced(room, tuple(sorted(tx.receivers))))
         del self.live[room]
 
     def forget(self, room: int) -> None:
@@ -414,7 +405,7 @@ class Sender:
         if tx is not None:
             self._fail(c.room, tx, "canceled")
         elif c.room in self.held:
-            self.events.append(("fail", None, c.room, "canceled"))
+            self.events.append(RoomFailure(None, c.room, "canceled"))
         else:
             self._drop("cancel of a room this worker does not hold")
 
@@ -442,49 +433,61 @@ class SenderStage(Stage):
     name = "sender"
     owner = OWNER_SENDER
 
-    def __init__(self, emit, sender: Sender, custody=None):
+    def __init__(self, emit, sender: Sender, custody=None, *, endpoint: str = ""):
         super().__init__(emit, custody)
         self.sender = sender
+        self.endpoint = endpoint
+
+    def socket(self) -> tuple[str, int] | None:
+        # register/alloc/cancel are a few hundred bytes
+        return (self.endpoint, 1 << 20) if self.endpoint else None
+
+    def start(self) -> None:
+        # Registrations lived in a predecessor's memory, if there was one: the reaper has them.
+        self.emit("reaper", SenderRestarted())
 
     def handle(self, source: str, rec) -> None:
         s = self.sender
-        if source == "socket":
-            s.on_bootstrap(rec)
-        elif source == "intake":
-            early = len(s.early.get(rec.room, ()))
-            s.on_opened(rec)
-            if rec.room in s.live:
-                self.custody.hold(rec.slot, rec.room)
-            for _ in range(early):  # now covered by the room, or released with it
-                self.custody.release(rec.slot, rec.room)
-        elif source in ("cache", "tower"):
-            s.on_ready(rec, from_owner=OWNER_TOWER if source == "tower" else OWNER_CACHE)
-            if rec in s.early.get(rec.room, ()):  # held until its room arrives: ours meanwhile
-                self.custody.hold(rec.slot, rec.room)
-        elif source == "reaper":
-            kind = rec[0]
-            if kind == "fence":
-                early = s.early.get(rec[1], [])
+        match rec:
+            case bytes():
+                s.on_bootstrap(rec)
+            case RoomOpened():
+                early = len(s.early.get(rec.room, ()))
+                s.on_opened(rec)
+                if rec.room in s.live:
+                    self.custody.hold(rec.slot, rec.room)
+                for _ in range(early):  # now covered by the room, or released with it
+                    self.custody.release(rec.slot, rec.room)
+            case ReadyItem():
+                s.on_ready(rec, from_owner=OWNER_TOWER if source == "tower" else OWNER_CACHE)
+                if rec in s.early.get(rec.room, ()):  # held until its room arrives: ours meanwhile
+                    self.custody.hold(rec.slot, rec.room)
+            case Fence(room=room):
+                early = s.early.get(room, [])
                 slot = early[0].slot if early else None
-                s.fence(rec[1])
+                s.fence(room)
                 for _ in early:
-                    self.custody.release(slot, rec[1])
-            elif kind == "forget":
-                tx = s.live.get(rec[1])
-                s.forget(rec[1])
+                    self.custody.release(slot, room)
+            case RoomSucceeded(room=room):
+                tx = s.live.get(room)
+                s.forget(room)
                 if tx is not None:
-                    self.custody.release(tx.slot, rec[1])
-            elif kind == "register":
-                s.receivers[rec[1].receiver] = rec[1]
-            elif kind == "resend_registrations":
-                s.events.extend(("register", reg) for reg in s.receivers.values())
-        else:
-            raise ValueError(f"sender: unexpected source {source!r}")
+                    self.custody.release(tx.slot, room)
+            case Registered(registration=reg):
+                s.receivers[reg.receiver] = reg
+            case ResendRegistrations():
+                s.events.extend(Registered(reg) for reg in s.receivers.values())
+            case _:
+                raise ValueError(f"sender: unexpected record from {source}: {rec!r}")
         self._flush_events()
 
     def tick(self, now: float) -> None:
         self.sender.poll(now)
         self._flush_events()
+
+    def next_tick_in(self, now: float) -> float | None:
+        # Writes complete in Mooncake's threads: poll them, yielding the core meanwhile.
+        return POLL_S if self.sender.busy() else None
 
     def _flush_events(self) -> None:
         s = self.sender
@@ -492,17 +495,14 @@ class SenderStage(Stage):
             events, s.events = s.events, []
             for ev in events:
                 self.emit("reaper", ev)
-                if ev[0] == "fenced":
-                    slot = self.custody_slots.get(ev[1])
+                if isinstance(ev, Fenced):
+                    slot = self.custody_slots.get(ev.room)
                     if slot is not None:
-                        self.custody.release(slot, ev[1])
+                        self.custody.release(slot, ev.room)
 
     @property
     def custody_slots(self) -> dict:
         return getattr(self.custody, "slots", {})
-
-    def busy(self) -> bool:
-        return self.sender.busy()
 
     def stats(self) -> dict:
         s = self.sender
@@ -510,3 +510,11 @@ class SenderStage(Stage):
                 "sender_live_rooms": len(s.live), "sender_held_allocs": s.n_held,
                 "sender_early_items": sum(len(v) for v in s.early.values()),
                 "transfer_seconds": s.transfer_seconds.snapshot(), "transfer_failures": s.transfer_failures}
+
+
+def build(env, emit, custody) -> SenderStage:
+    cfg, spec, sh = env.cfg, env.spec, env.shared
+    sender = Sender(arena=sh.emb_arena, engine=env.engine, rooms=sh.rooms, hidden=spec.hidden,
+                    dtype=spec.dtype, deepstack_width=spec.deepstack_width,
+                    bootstrap_timeout_s=cfg.bootstrap_timeout_s, max_held_allocs=cfg.max_held_allocs)
+    return SenderStage(emit, sender, custody, endpoint=cfg.bootstrap)

@@ -6,11 +6,15 @@ import time
 
 import numpy as np
 
+from dataclasses import replace
+
+from ipc.arena import StaleLease
+from ipc.rooms import RoomState
 from ipc.stats import Histogram
-from stages.base import Stage
+from stages.base import POLL_S, Stage
+from stages.records import (OWNER_SCHEDULER, OWNER_TOWER, Batch, Encoded, EncodeFailed, ReadyItem, RoomFailure,
+                            TowerCredit, TowerRestarted, WorkItem)
 from stages.towers import Tower, TowerError, TowerItem, TowerJob, numpy_dtype
-# Not used here: pipeline/ imports them from this module until it imports them from stages.towers.
-from stages.towers import TowerSpec, build_tower  # noqa: F401
 from stages.towers.base import DoneJob, TimedJob
 
 log = logging.getLogger("epd.tower")
@@ -22,23 +26,19 @@ class TowerStage(Stage):
     Jobs start as batches arrive (an asynchronous device queues them); results go
     out in order as jobs finish. Pixels are dropped once the batch is done; the
     item's output lease travels on to the sender and the cache, which take it over.
+    The tower itself belongs to whoever built it (pipeline/host.py's Env closes it).
     """
 
     name = "tower"
+    owner = OWNER_TOWER
 
-    def __init__(self, emit, tower: Tower, *, pixel_arena, emb_arena, rooms, owner: int,
-                 prev_owner: int, custody=None):
-        from stages.base import Custody
-
-        self.emit = emit
+    def __init__(self, emit, tower: Tower, *, pixel_arena, emb_arena, rooms, custody=None):
+        super().__init__(emit, custody)
         self.tower = tower
         self.pixel_arena = pixel_arena
         self.emb_arena = emb_arena
         self.rooms = rooms
-        self.owner = owner
-        self.prev_owner = prev_owner
-        self.custody = custody or Custody()
-        self.jobs: list[tuple[TowerJob, list]] = []
+        self.jobs: list[tuple[TowerJob, list[WorkItem]]] = []
         self.job_started: list[float] = []  # time.monotonic() each job started, in self.jobs' order
         self.batches = 0
         self.items = 0
@@ -48,24 +48,29 @@ class TowerStage(Stage):
         if register is not None:
             register(emb_arena.address, emb_arena.size)
 
-    def handle(self, source: str, batch) -> None:
-        from ipc.arena import StaleLease
-        from ipc.rooms import RoomState
-        from stages.records import RoomFailure
+    def start(self) -> None:
+        # Credits for batches a predecessor held died with it.
+        self.emit("scheduler", TowerRestarted())
 
-        if source != "scheduler":
-            raise ValueError(f"tower: unexpected source {source!r}")
+    def handle(self, source: str, rec) -> None:
+        match rec:
+            case Batch(items=batch):
+                self._start_job(batch)
+            case _:
+                raise ValueError(f"tower: unexpected record from {source}: {rec!r}")
+
+    def _start_job(self, batch: tuple[WorkItem, ...]) -> None:
         spec = self.tower.spec
         live, items, outs = [], [], []
         for w in batch:
             self.custody.hold(w.slot, w.room)
             try:
-                self.pixel_arena.transfer(w.pixels, self.prev_owner, self.owner)
-                self.emb_arena.transfer(w.out, self.prev_owner, self.owner)
+                self.pixel_arena.transfer(w.pixels, OWNER_SCHEDULER, self.owner)
+                self.emb_arena.transfer(w.out, OWNER_SCHEDULER, self.owner)
                 px = np.frombuffer(self.pixel_arena.view(w.pixels), dtype=numpy_dtype(w.pixel_dtype))
                 flat = np.frombuffer(self.emb_arena.view(w.out), dtype=spec.np_dtype)
             except StaleLease:
-                self._drop(w)
+                self._release_leases(w)
                 self.emit("reaper", RoomFailure(w.slot, w.room, "pixels or output space lost (scheduler died)"))
                 self.custody.release(w.slot, w.room)
                 continue
@@ -78,7 +83,7 @@ class TowerStage(Stage):
             live.append(w)
             self.rooms.advance(w.slot, w.room, RoomState.ENCODING)
         if not live:
-            self.emit("scheduler", ("credit",))
+            self.emit("scheduler", TowerCredit())
             return
         self.batches += 1
         self.items += len(live)
@@ -91,8 +96,6 @@ class TowerStage(Stage):
         self.job_started.append(time.monotonic())
 
     def tick(self, now: float) -> None:
-        from stages.records import ReadyItem
-
         while self.jobs and self.jobs[0][0].done():
             job, batch = self.jobs.pop(0)
             self.batch_seconds.observe(time.monotonic() - self.job_started.pop(0))
@@ -101,45 +104,40 @@ class TowerStage(Stage):
                 error = None
             except TowerError as e:
                 error = f"tower failed: {e}"
-            rooms = {w.room for w in batch}
+            rooms = frozenset(w.room for w in batch)
             if error is not None:
                 log.warning("tower batch of %d items failed: room=%s: %s", len(batch),
                             ",".join(map(str, sorted(rooms))), error)
             for w in batch:
                 self.pixel_arena.drop(w.pixels, self.owner)
-                w.pixels = None
+                w = replace(w, pixels=None)
                 if error is None:
                     # Straight to the sender (the critical path), and to the cache, which
                     # shares the rows with identical items waiting and caches them: each
                     # gets a reference of ours and takes it over on receipt.
                     self.emb_arena.addref(w.out, self.owner)
                     self.emit("sender", ReadyItem(w.slot, w.room, w.item, w.span, w.out))
-                    self.emit("cache", ("encoded", w))
+                    self.emit("cache", Encoded(w))
                 else:
                     self.emb_arena.drop(w.out, self.owner)
-                    w.out = None
-                    self.emit("cache", ("failed", w, error, rooms))
+                    self.emit("cache", EncodeFailed(replace(w, out=None), error, rooms))
                 self.custody.release(w.slot, w.room)
-            self.emit("scheduler", ("credit",))
+            self.emit("scheduler", TowerCredit())
 
-    def busy(self) -> bool:
-        return bool(self.jobs)
+    def next_tick_in(self, now: float) -> float | None:
+        """When the oldest job may be done: the sim tower can tell; a device is polled."""
+        if not self.jobs:
+            return None
+        job = self.jobs[0][0]
+        return max(0.0, job.ready_at - now) if isinstance(job, TimedJob) else POLL_S
 
     def stats(self) -> dict:
         return {"tower_batches": self.batches, "tower_items": self.items, "tower_rows": self.rows,
                 "tower_batch_seconds": self.batch_seconds.snapshot()}
 
-    def next_done_in(self) -> float | None:
-        """Seconds until the oldest job may be done, when the tower can tell (sim)."""
-        if self.jobs and isinstance(self.jobs[0][0], TimedJob):
-            return max(0.0, self.jobs[0][0].ready_at - time.monotonic())
-        return None
-
-    def _drop(self, w) -> None:
-        from ipc.arena import StaleLease
-
+    def _release_leases(self, w: WorkItem) -> None:
         for arena, lease in ((self.pixel_arena, w.pixels), (self.emb_arena, w.out)):
-            for owner in (self.owner, self.prev_owner):
+            for owner in (self.owner, OWNER_SCHEDULER):
                 try:
                     arena.drop(lease, owner)
                     break
@@ -152,4 +150,9 @@ class TowerStage(Stage):
                 job.result(timeout=10)
             except Exception:
                 pass
-        self.tower.close()
+
+
+def build(env, emit, custody) -> TowerStage:
+    sh = env.shared
+    return TowerStage(emit, env.tower, pixel_arena=sh.pixel_arena, emb_arena=sh.emb_arena, rooms=sh.rooms,
+                      custody=custody)

@@ -8,11 +8,12 @@ import threading
 import psutil
 import pytest
 
-from pipeline import numa, wiring
+from pipeline import numa
 from pipeline.config import ConfigError
+from stages import registry
 from tests.helpers import fork_call, sim_config, wait_child
 
-STAGES = wiring.STAGES
+STAGES = registry.STAGES
 
 
 def fake_machine(root, node_cpus: dict[int, str], gpus=(), *, nvidia_proc=True, nvswitches=()):
@@ -221,7 +222,7 @@ def test_supervisor_checks_numa_before_making_anything(shm_prefix, tmp_path):
 def test_pipeline_stages_run_on_their_planned_cpus(shm_prefix, tmp_path, monkeypatch):
     """The supervisor hands each stage process its CPUs (here a plan made up for this
     2-CPU machine, one stage alone on the last CPU) and the stage pins itself."""
-    from pipeline.stage_host import Heartbeats
+    from pipeline.boards import Heartbeats
     from tests.helpers import PipelineWorker
 
     allowed = sorted(os.sched_getaffinity(0))

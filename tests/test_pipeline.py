@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from pipeline import wiring
 from pipeline.client import Client, Item
 from pipeline.receiver import Receiver
+from stages import registry
 from tests.helpers import PipelineWorker, expected_sim_rows, free_port, image, sim_config
 
 pytestmark = pytest.mark.timeout(300)
@@ -95,7 +95,7 @@ def wait_restarted(w, stage: str, times: int = 1, timeout: float = 60.0) -> None
     raise AssertionError(f"the {stage} stage was not restarted")
 
 
-@pytest.mark.parametrize("stage", wiring.STAGES)
+@pytest.mark.parametrize("stage", registry.STAGES)
 def test_sigkill_each_stage_under_load(pipeline, stage):
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")

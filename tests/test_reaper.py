@@ -7,7 +7,8 @@ from ipc import shm
 from ipc.rooms import RoomState, RoomTable
 from ipc import wire
 from stages.reaper import ReaperStage
-from stages.records import OWNER_INTAKE, RoomFailure, RoomOpened
+from stages.records import (OWNER_INTAKE, AllocSeen, Fence, Fenced, ItemDone, RoomAbandoned, RoomFailure, RoomOpened,
+                            RoomSucceeded, ShardWritten)
 
 ROOM, RECEIVER = 7, "prefill-0"
 
@@ -48,7 +49,7 @@ def reaper(rooms):
                         tombstone_ttl_s=60.0, max_tombstones=16)
     slot = rooms.insert(ROOM, "req-7", 2, OWNER_INTAKE)
     feed(stage, "intake", RoomOpened(slot, ROOM, "req-7", [4, 4], 0.0))
-    feed(stage, "sender", ("alloc_seen", ROOM, RECEIVER))
+    feed(stage, "sender", AllocSeen(ROOM, RECEIVER))
     yield stage, pusher, slot, emitted
     stage.close()
 
@@ -64,14 +65,14 @@ def states(pusher) -> list[tuple[int | None, str]]:
 
 
 def finish_item(stage, slot: int, item: int) -> None:
-    feed(stage, "sender", ("success", ROOM, item, RECEIVER))
-    feed(stage, "sender", ("item_done", slot, ROOM, item, item + 1))  # items done so far
+    feed(stage, "sender", ShardWritten(ROOM, item, RECEIVER))
+    feed(stage, "sender", ItemDone(slot, ROOM, item, item + 1))  # items done so far
 
 
 def cancel_at_sender(stage, slot: int) -> None:
     """What the sender reports when a cancel for a room it holds arrives."""
-    feed(stage, "sender", ("fail", slot, ROOM, "canceled"))
-    feed(stage, "sender", ("fenced", ROOM, [RECEIVER]))
+    feed(stage, "sender", RoomFailure(slot, ROOM, "canceled"))
+    feed(stage, "sender", Fenced(ROOM, (RECEIVER,)))
 
 
 def test_cancel_just_after_success_sends_nothing(reaper, rooms):
@@ -79,11 +80,11 @@ def test_cancel_just_after_success_sends_nothing(reaper, rooms):
     finish_item(stage, slot, 0)
     finish_item(stage, slot, 1)
     assert rooms.get(slot).state == RoomState.SUCCESS
-    assert emitted == [("sender", ("forget", ROOM))]
+    assert emitted == [("sender", RoomSucceeded(ROOM))]
 
     cancel_at_sender(stage, slot)  # it crossed the last item's success on the way
     assert states(pusher) == [(0, "success"), (1, "success")], "no `failed` after the successes"
-    assert emitted == [("sender", ("forget", ROOM))], "no fence, no forget_room for a room that succeeded"
+    assert emitted == [("sender", RoomSucceeded(ROOM))], "no fence, no forget_room for a room that succeeded"
     assert stage.reaper.outcomes == {"success": 1}
     assert rooms.get(slot).state == RoomState.SUCCESS
 
@@ -96,7 +97,7 @@ def test_cancel_before_the_last_success_fails_the_room(reaper, rooms):
     assert states(pusher) == [(0, "success"), (None, "failed")]
     assert pusher.sent[-1][1]["reason"] == "canceled"
     assert rooms.get(slot).state == RoomState.FAILED
-    assert ("sender", ("fence", ROOM)) in emitted
+    assert ("sender", Fence(ROOM)) in emitted
     assert stage.reaper.outcomes == {"failed": 1}
 
 
@@ -105,7 +106,7 @@ def successor(rooms):
     pusher, emitted = RecordingPusher(), []
     stage = ReaperStage(lambda dest, rec: emitted.append((dest, rec)), rooms=rooms, pusher=pusher,
                         tombstone_ttl_s=60.0, max_tombstones=16)
-    stage.recover()
+    stage.start()
     return stage, pusher, emitted
 
 
@@ -127,12 +128,12 @@ def test_a_reaper_killed_while_failing_a_room_leaves_its_successor_to_tell_the_r
 
     nxt, heard, emitted = successor(rooms)
     if fence_out:  # the sender's answer to the predecessor's fence may come first
-        feed(nxt, "sender", ("fenced", ROOM, [RECEIVER]))
+        feed(nxt, "sender", Fenced(ROOM, (RECEIVER,)))
     feed(nxt, "cache", failure)  # the same record again
     if died != "after the room table said Failed":
-        assert ("sender", ("fence", ROOM)) in emitted
-        assert ("cache", ("forget_room", ROOM)) in emitted and ("scheduler", ("remove_room", ROOM)) in emitted
-        feed(nxt, "sender", ("fenced", ROOM, [RECEIVER]))  # the answer to the successor's fence
+        assert ("sender", Fence(ROOM)) in emitted
+        assert ("cache", RoomAbandoned(ROOM)) in emitted and ("scheduler", RoomAbandoned(ROOM)) in emitted
+        feed(nxt, "sender", Fenced(ROOM, (RECEIVER,)))  # the answer to the successor's fence
     assert rooms.get(slot).state == RoomState.FAILED
     assert states(heard) == [(None, "failed")], heard.sent
     assert heard.sent[0][1]["reason"] == failure.reason
@@ -147,13 +148,13 @@ def test_an_item_done_handled_again_by_a_successor_does_not_end_the_room_early(r
     stage, pusher, slot, _ = reaper
     finish_item(stage, slot, 0)
     nxt, heard, emitted = successor(rooms)
-    feed(nxt, "sender", ("item_done", slot, ROOM, 0, 1))  # the same record again
+    feed(nxt, "sender", ItemDone(slot, ROOM, 0, 1))  # the same record again
     assert rooms.get(slot).live and rooms.get(slot).items_done == 1
-    assert ("sender", ("forget", ROOM)) not in emitted
-    feed(nxt, "sender", ("success", ROOM, 1, RECEIVER))
-    feed(nxt, "sender", ("item_done", slot, ROOM, 1, 2))
+    assert ("sender", RoomSucceeded(ROOM)) not in emitted
+    feed(nxt, "sender", ShardWritten(ROOM, 1, RECEIVER))
+    feed(nxt, "sender", ItemDone(slot, ROOM, 1, 2))
     assert rooms.get(slot).state == RoomState.SUCCESS
-    assert ("sender", ("forget", ROOM)) in emitted
+    assert ("sender", RoomSucceeded(ROOM)) in emitted
     nxt.close()
 
 
@@ -169,6 +170,6 @@ def test_a_room_intake_inserts_while_the_reaper_looks_is_failed_not_crashed_on(r
         return None if len(looked) == 1 else real_find(room)
 
     monkeypatch.setattr(rooms, "find", find_missing_once)
-    feed(stage, "sender", ("fail", None, ROOM, "alloc for item 0 does not fit"))
+    feed(stage, "sender", RoomFailure(None, ROOM, "alloc for item 0 does not fit"))
     assert rooms.get(slot).state == RoomState.FAILED
-    assert ("sender", ("fence", ROOM)) in emitted
+    assert ("sender", Fence(ROOM)) in emitted

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from ipc import shm
 from ipc.arena import Arena
-from stages.records import OWNER_CACHE, OWNER_SCHEDULER, WorkItem
+from stages.records import OWNER_CACHE, OWNER_SCHEDULER, RoomAbandoned, TowerCredit, TowerRestarted, WorkItem
 from stages.scheduler import Pending, Scheduler, SchedulerStage
 
 budgets = st.tuples(st.integers(1, 64), st.integers(1, 8))
@@ -243,13 +243,13 @@ def test_restarted_tower_gives_credits_back_and_late_credits_stay_capped(arenas)
 
     stage = SchedulerStage(emit, Scheduler(max_tokens_per_batch=100, max_items_per_batch=1),
                            pixel_arena=pixel_arena, emb_arena=emb_arena, entry_bytes=lambda span: 64 * span,
-                           owner=OWNER_SCHEDULER, prev_owner=OWNER_CACHE, custody=None, depth=depth)
+                           custody=None, depth=depth)
 
     def flowed() -> int:
         stage.tick(0.0)
         n = len(batches)
         for batch in batches:  # the tower's part: done with them
-            for w in batch:
+            for w in batch.items:
                 pixel_arena.drop(w.pixels, OWNER_SCHEDULER)
                 emb_arena.drop(w.out, OWNER_SCHEDULER)
         batches.clear()
@@ -261,17 +261,17 @@ def test_restarted_tower_gives_credits_back_and_late_credits_stay_capped(arenas)
                                        pixels=pixel_arena.alloc(4, OWNER_CACHE)))
     assert flowed() == depth
     assert flowed() == 0, "no credits: both batches are out"
-    stage.handle("tower", ("restarted",))  # both batches died with the old tower
+    stage.handle("tower", TowerRestarted())  # both batches died with the old tower
     assert flowed() == depth, "a restarted tower holds no batch: all credits are back"
 
     # Both out again; the tower restarts once more, but it had finished them just before
     # it died: their credits arrive after the reset.
-    stage.handle("tower", ("restarted",))
+    stage.handle("tower", TowerRestarted())
     for _ in range(depth):
-        stage.handle("tower", ("credit",))
+        stage.handle("tower", TowerCredit())
     assert stage.credits == depth
     assert flowed() == depth, "never more than depth batches out"
 
-    stage.handle("reaper", ("remove_room", 1))  # drops what is still queued
+    stage.handle("reaper", RoomAbandoned(1))  # drops what is still queued
     assert len(stage.scheduler) == 0
     assert pixel_arena.live_leases() == [] and emb_arena.live_leases() == [], "leases leaked"

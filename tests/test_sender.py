@@ -8,7 +8,7 @@ import pytest
 from ipc import shm
 from ipc.arena import Arena
 from ipc.rooms import RoomTable
-from stages.records import OWNER_INTAKE, RoomOpened
+from stages.records import OWNER_INTAKE, Fenced, LateAlloc, RoomOpened
 from stages.sender import Sender
 
 ROOM = 11
@@ -37,7 +37,7 @@ def test_a_room_fenced_before_its_room_opened_is_not_opened_when_it_comes(sender
     s, rooms = sender
     slot = rooms.insert(ROOM, "req", 1, OWNER_INTAKE)
     s.fence(ROOM)
-    assert s.events == [("fenced", ROOM, [])]
+    assert s.events == [Fenced(ROOM, ())]
     s.on_opened(RoomOpened(slot, ROOM, "req", [4], 0.0))
     assert rooms.get(slot).live, "the table alone would have let it open"
     assert ROOM not in s.live
@@ -66,5 +66,5 @@ def test_an_alloc_for_a_room_fenced_before_it_opened_is_answered_at_once(sender)
     alloc = Alloc(receiver="rx", room=ROOM, item=0, dst=4096, dst_deepstack=0, row_start=0, n_rows=4,
                   span=4, hidden=8, dtype="bfloat16", deepstack_width=0, fanout=1)
     s._on_alloc(alloc, time.monotonic())
-    assert s.events == [("late_alloc", ROOM, "rx")]
+    assert s.events == [LateAlloc(ROOM, "rx")]
     assert not s.held

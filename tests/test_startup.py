@@ -17,9 +17,9 @@ import psutil
 import pytest
 
 from ipc import shm
-from pipeline import wiring
 from pipeline.config import WorkerConfig
-from pipeline.stage_host import Heartbeats
+from pipeline.boards import Heartbeats
+from stages import registry
 from tests.helpers import free_port, sim_config, start_worker
 
 pytestmark = pytest.mark.timeout(180)
@@ -248,9 +248,9 @@ def test_stages_exit_when_the_supervisor_is_killed(shm_prefix, tmp_path):
     try:
         run_id = run_id_of(shm_prefix)
         hb = Heartbeats.attach(shm_prefix, run_id)
-        stage_pids = {int(hb.row(s)[Heartbeats.PID]) for s in wiring.STAGES}
+        stage_pids = {int(hb.row(s)[Heartbeats.PID]) for s in registry.STAGES}
         hb.close()
-        assert len(stage_pids) == len(wiring.STAGES) and all(psutil.pid_exists(p) for p in stage_pids)
+        assert len(stage_pids) == len(registry.STAGES) and all(psutil.pid_exists(p) for p in stage_pids)
         left = set(shm.list_objects(shm_prefix))
         proc.kill()  # the supervisor only
         proc.wait(30)

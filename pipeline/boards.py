@@ -1,0 +1,147 @@
+"""The tables a pipeline run keeps in shared memory besides rings, arenas and rooms:
+each stage's heartbeat row, its published counters, and intake's journal of the
+frame in hand. The supervisor creates them; stages attach."""
+from __future__ import annotations
+
+import pickle
+import time
+
+from ipc import shm
+from stages.registry import STAGES
+
+
+class Heartbeats:
+    """Per stage: pid, last beat (time.monotonic), ready flag, restarts, and the fraction of
+    the last second its loop spent working. float64 in shared memory."""
+
+    FIELDS = 5
+    PID, BEAT, READY, RESTARTS, BUSY = range(5)
+
+    def __init__(self, seg: shm.Segment):
+        import numpy as np
+
+        self.seg = seg
+        self.table = np.frombuffer(seg.buf, dtype=np.float64).reshape(len(STAGES), self.FIELDS)
+
+    @classmethod
+    def create(cls, prefix: str, run_id: str) -> "Heartbeats":
+        return cls(shm.Segment.create(shm.object_name(prefix, run_id, "heartbeats"),
+                                      len(STAGES) * cls.FIELDS * 8))
+
+    @classmethod
+    def attach(cls, prefix: str, run_id: str) -> "Heartbeats":
+        return cls(shm.Segment.attach(shm.object_name(prefix, run_id, "heartbeats")))
+
+    def row(self, stage: str):
+        return self.table[STAGES.index(stage)]
+
+    def close(self) -> None:
+        self.table = None
+        self.seg.close()
+
+    def unlink(self) -> None:
+        self.seg.unlink()
+
+
+class IntakeJournal:
+    """The segment names of the frame intake is handling, for the supervisor to unlink
+    if intake dies between taking a frame and unlinking its segments."""
+
+    SIZE = 64 << 10
+
+    def __init__(self, seg: shm.Segment):
+        self.seg = seg
+
+    @classmethod
+    def create(cls, prefix: str, run_id: str) -> "IntakeJournal":
+        return cls(shm.Segment.create(shm.object_name(prefix, run_id, "intake.journal"), cls.SIZE))
+
+    @classmethod
+    def attach(cls, prefix: str, run_id: str) -> "IntakeJournal":
+        return cls(shm.Segment.attach(shm.object_name(prefix, run_id, "intake.journal")))
+
+    def record(self, room: int | None, names: list[str]) -> None:
+        buf = self.seg.buf
+        if room is None and not names:
+            buf[:4] = b"\0\0\0\0"
+            return
+        # NUL separates: a segment name cannot hold one (a newline it may)
+        data = "\0".join([str(room if room is not None else "")] + names).encode()[: self.SIZE - 4]
+        buf[4:4 + len(data)] = data
+        buf[:4] = len(data).to_bytes(4, "little")  # last: the names are whole when the length is set
+
+    def read(self) -> tuple[int | None, list[str]]:
+        """(room, segment names) of the frame in hand, or (None, [])."""
+        n = int.from_bytes(self.seg.buf[:4], "little")
+        if not n:
+            return None, []
+        room, *names = bytes(self.seg.buf[4:4 + n]).decode(errors="replace").split("\0")
+        return (int(room) if room.isdigit() else None), names
+
+    def close(self) -> None:
+        self.seg.close()
+
+    def unlink(self) -> None:
+        self.seg.unlink()
+
+
+class StatsBoard:
+    """Each stage's counters (a pickled dict), rewritten by the stage a few times a second,
+    read by the supervisor: `run.py status`, tests and benchmarks see them."""
+
+    REGION = 64 << 10
+
+    def __init__(self, seg: shm.Segment):
+        self.seg = seg
+
+    @classmethod
+    def create(cls, prefix: str, run_id: str) -> "StatsBoard":
+        return cls(shm.Segment.create(shm.object_name(prefix, run_id, "stats"),
+                                      len(STAGES) * cls.REGION))
+
+    @classmethod
+    def attach(cls, prefix: str, run_id: str) -> "StatsBoard":
+        return cls(shm.Segment.attach(shm.object_name(prefix, run_id, "stats")))
+
+    def write(self, stage: str, stats: dict) -> None:
+        data = pickle.dumps(stats, protocol=5)
+        if len(data) > self.REGION - 16:
+            return
+        base = STAGES.index(stage) * self.REGION
+        buf = self.seg.buf
+        seq = int.from_bytes(buf[base:base + 8], "little") + 1
+        buf[base:base + 8] = (seq | 1).to_bytes(8, "little")  # odd: being written
+        buf[base + 16:base + 16 + len(data)] = data
+        buf[base + 8:base + 16] = len(data).to_bytes(8, "little")
+        buf[base:base + 8] = ((seq | 1) + 1).to_bytes(8, "little")
+
+    def read(self, stage: str) -> dict:
+        base = STAGES.index(stage) * self.REGION
+        buf = self.seg.buf
+        for _ in range(100):
+            seq = int.from_bytes(buf[base:base + 8], "little")
+            if seq == 0:
+                return {}
+            if seq & 1:
+                time.sleep(0.0005)
+                continue
+            n = int.from_bytes(buf[base + 8:base + 16], "little")
+            data = bytes(buf[base + 16:base + 16 + n])
+            if int.from_bytes(buf[base:base + 8], "little") == seq:
+                try:
+                    return pickle.loads(data)
+                except Exception:
+                    return {}
+        return {}
+
+    def read_all(self) -> dict:
+        out = {}
+        for stage in STAGES:
+            out.update(self.read(stage))
+        return out
+
+    def close(self) -> None:
+        self.seg.close()
+
+    def unlink(self) -> None:
+        self.seg.unlink()

@@ -1,0 +1,304 @@
+"""The round that runs stages, in one process or one stage per process.
+
+Both modes run the same loop over the same stage objects; they differ in the
+channel between stages and in how many stages one loop holds:
+
+- `QueueChannel` (in-process): every stage in one loop; a record emitted is handled
+  by its destination right away, in the order records were emitted.
+- `RingChannel` (pipeline): one stage per process; records go out over one
+  shared-memory ring per edge and come in from the rings that end here.
+
+The order of a round is what makes a death at any instant safe in the pipeline:
+  1. peek records from the input rings (they stay there until step 4),
+  2. handle them: the stage takes custody (sets its bit) of what it keeps,
+  3. push what it emitted to the output rings,
+  4. release the input records, then clear the custody bits of rooms handed on.
+A death before 4 leaves the inputs for the successor; rooms this stage had taken
+are failed by the supervisor (their bit is set), so a record handled twice only
+meets a room that is already concluded.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import pickle
+import queue
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+import zmq
+
+from ipc.ring import RECORD_HEADER, Ring, wait_any
+from ipc.transport import Engine
+from pipeline import wiring
+from stages import registry
+from stages.base import Stage
+
+log = logging.getLogger("epd.host")
+
+FRAMES_PER_ROUND = 64  # socket frames a round takes, so timers and records interleave with a burst
+PUSH_TIMEOUT_S = 1.0   # a full output ring is waited on in slices, beating the heart in between
+
+
+class Env:
+    """What stages are built from: the configuration, the run's shared objects, the
+    tower's spec, and what only some stages use (the tower, the Mooncake engine, a ZeroMQ
+    context), made on first use. `spec` comes from the tower, built here or elsewhere."""
+
+    def __init__(self, cfg, run_id: str, shared: wiring.Shared, *, spec=None, tower=None, journal=None):
+        self.cfg = cfg
+        self.run_id = run_id
+        self.shared = shared
+        self.journal = journal
+        self._spec = spec
+        self._tower = tower
+        self._engine = None
+        self._ctx = None
+
+    @property
+    def tower(self):
+        if self._tower is None:
+            from stages.towers import build_tower
+
+            self._tower = build_tower(self.cfg.tower, **self.cfg.tower_settings())
+        return self._tower
+
+    @property
+    def spec(self):
+        return self._spec if self._spec is not None else self.tower.spec
+
+    @property
+    def engine(self) -> Engine:
+        """The Mooncake engine, with the embedding arena registered once."""
+        if self._engine is None:
+            cfg, arena = self.cfg, self.shared.emb_arena
+            self._engine = Engine(cfg.hostname, cfg.protocol, cfg.device)
+            self._engine.register(arena.address, arena.size)
+        return self._engine
+
+    @property
+    def zmq_context(self) -> zmq.Context:
+        if self._ctx is None:
+            self._ctx = zmq.Context()
+        return self._ctx
+
+    def build(self, name: str, emit, custody) -> Stage:
+        return importlib.import_module(registry.MODULES[name]).build(self, emit, custody)
+
+    def close(self) -> None:
+        """After the stages and their sockets are closed."""
+        if self._tower is not None:
+            self._tower.close()
+            self._tower = None
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+
+class QueueChannel:
+    """Records between stages of one process: handled by their destination at once."""
+
+    has_rings = False
+
+    def __init__(self):
+        self.queue: deque = deque()
+        self.stages: dict[str, Stage] = {}
+
+    def emitter(self, source: str):
+        q = self.queue
+        return lambda dest, rec: q.append((dest, source, rec))
+
+    def take(self, stage: Stage, settle) -> bool:
+        return False  # records were handled when they were emitted
+
+    def push(self) -> None:
+        pass
+
+    def deliver(self) -> None:
+        q, stages = self.queue, self.stages
+        while q:
+            dest, source, rec = q.popleft()
+            stages[dest].handle(source, rec)
+            stages[dest].pushed()  # what it emitted is in the queue
+
+    def pending(self) -> bool:
+        return bool(self.queue)
+
+    def wait(self, timeout: float) -> None:
+        time.sleep(timeout)
+
+    def close(self) -> None:
+        pass
+
+
+class RingChannel:
+    """Records between stage processes: a ring per edge; `bell` wakes this stage's loop."""
+
+    def __init__(self, inputs: dict[str, Ring], outputs: dict[str, Ring], bell, beat: Callable[[], None]):
+        self.has_rings = bool(inputs)  # else the loop sleeps on its socket alone
+        self.inputs = inputs
+        self.outputs = outputs
+        self.bell = bell
+        self.beat = beat
+        self.out_buf: dict[str, list[bytes]] = {dst: [] for dst in outputs}
+
+    def emitter(self, source: str):
+        out = self.out_buf
+        return lambda dest, rec: out[dest].append(pickle.dumps(rec, protocol=5))
+
+    def take(self, stage: Stage, settle) -> bool:
+        worked = False
+        for src, ring in self.inputs.items():
+            recs, end = ring.peek_batch(256)
+            if not recs:
+                continue
+            worked = True
+            if stage.one_record_at_a_time:
+                for raw in recs:
+                    stage.handle(src, pickle.loads(raw))
+                    settle(stage, lambda n=len(raw): ring.release(ring.tail + RECORD_HEADER + n))
+                continue
+            for raw in recs:
+                stage.handle(src, pickle.loads(raw))
+            settle(stage, lambda: ring.release(end))
+        return worked
+
+    def push(self) -> None:
+        for dest, recs in self.out_buf.items():
+            while recs:
+                n = self.outputs[dest].push_batch(recs, timeout=PUSH_TIMEOUT_S)
+                del recs[:n]
+                if recs:
+                    self.beat()
+                    log.warning("ring to %s is full; waiting", dest)
+
+    def deliver(self) -> None:
+        pass
+
+    def pending(self) -> bool:
+        return False
+
+    def wait(self, timeout: float) -> None:
+        wait_any(list(self.inputs.values()), self.bell, timeout)
+
+    def close(self) -> None:
+        for ring in list(self.inputs.values()) + list(self.outputs.values()):
+            ring.close()
+
+
+class Loop:
+    """Rounds over `stages` joined by `channel`; each stage's socket bound here.
+
+    A stage that reads both rings and a socket has the socket read by a thread of its
+    own, which rings the bell: the loop sleeps on the rings' doorbell alone."""
+
+    def __init__(self, stages: list[Stage], channel, ctx: zmq.Context):
+        self.stages = stages
+        self.channel = channel
+        self.sockets: list[tuple[Stage, zmq.Socket]] = []
+        self.frames: dict[Stage, queue.SimpleQueue] = {}  # frames read by a thread, per stage
+        self.paused: set[Stage] = set()  # stages whose socket is left unread (a drain's intake)
+        self.idle_s = 0.0      # time spent waiting for work, for the busy ratio
+        self._readers: list[threading.Thread] = []
+        try:
+            for stage in stages:
+                sock = stage.socket()
+                if sock is None:
+                    continue
+                endpoint, max_frame = sock
+                self.sockets.append((stage, wiring.bind_pull(ctx, endpoint, max_frame)))
+            if channel.has_rings:
+                for stage, sock in self.sockets:
+                    self.frames[stage] = q = queue.SimpleQueue()
+                    t = threading.Thread(target=self._read_socket, args=(sock, q), daemon=True)
+                    t.start()
+                    self._readers.append(t)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_socket(self, sock: zmq.Socket, frames: queue.SimpleQueue) -> None:
+        while True:
+            try:
+                if not sock.poll(100):
+                    continue
+                while True:
+                    frames.put(sock.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                self.channel.bell.release()
+            except zmq.ZMQError:
+                return
+
+    # ------------------------------------------------------------ one round
+    def step(self, max_wait: float) -> bool:
+        """One round; waits up to `max_wait` for work when it found none. True if it found some."""
+        worked = False
+        for stage in self.stages:
+            worked |= self.channel.take(stage, self.settle)
+        for stage, sock in self.sockets:
+            worked |= self._take_frames(stage, sock)
+        now = time.monotonic()
+        for stage in self.stages:
+            stage.tick(now)
+            self.settle(stage)
+        if not worked:
+            started = time.monotonic()
+            self._wait(max_wait)
+            self.idle_s += time.monotonic() - started
+        return worked
+
+    def settle(self, stage: Stage, release: Callable[[], None] | None = None) -> None:
+        """After `stage` handled or ticked: push what it emitted, let it know, give back
+        the input records it handled, then clear custody of what it handed on."""
+        self.channel.push()
+        stage.pushed()
+        if release is not None:
+            release()
+        stage.custody.flush()
+        self.channel.deliver()
+
+    def _take_frames(self, stage: Stage, sock: zmq.Socket) -> bool:
+        frames = self.frames.get(stage)
+        took = False
+        for _ in range(FRAMES_PER_ROUND):
+            if stage in self.paused or not stage.takes_frames():
+                break  # they wait, in the socket or in the reader's queue
+            try:
+                frame = frames.get_nowait() if frames is not None else sock.recv(zmq.NOBLOCK)
+            except (queue.Empty, zmq.Again):
+                break
+            stage.handle("socket", frame)
+            self.settle(stage)
+            took = True
+        return took
+
+    def _wait(self, max_wait: float) -> None:
+        now = time.monotonic()
+        timeout = max_wait
+        for stage in self.stages:
+            left = stage.next_tick_in(now)
+            if left is not None:
+                timeout = min(timeout, left)
+        if self.channel.pending() or timeout <= 0:
+            return
+        polled = [sock for stage, sock in self.sockets
+                  if stage not in self.frames and stage not in self.paused and stage.takes_frames()]
+        if timeout < 1e-3 or not (polled or self.channel.has_rings):
+            # Work completes elsewhere (a device, Mooncake's threads): yield the core to it.
+            time.sleep(timeout)
+        elif polled:
+            zmq.select(polled, [], [], timeout=timeout)
+        else:
+            self.channel.wait(timeout)
+
+    def close(self) -> None:
+        for _, sock in self.sockets:
+            sock.close(linger=0)
+        self.sockets = []
+        for t in self._readers:
+            t.join(1.0)

@@ -1,0 +1,152 @@
+"""What both modes do around their stages: start-up checks, the run's shared objects,
+the drain, signals and close. The in-process worker (pipeline/worker.py) and the
+supervisor of the stage processes (pipeline/supervisor.py) are the two `Runtime`s.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+from ipc import shm
+from ipc.rooms import RoomState
+from pipeline import wiring
+from pipeline.config import WorkerConfig
+from stages.records import RoomsLost
+
+SHUTTING_DOWN = "worker shutting down"
+
+
+class StartError(RuntimeError):
+    """The worker could not start (exit code 3); the message says why."""
+
+
+class Runtime:
+    """A run of the worker: owns its shared objects from start-up checks to close.
+
+    Start-up, in this order so that a failure leaves nothing behind: sweep what a dead
+    run of this prefix left, check that /dev/shm can hold everything (`needs`, bytes by
+    what), take the run lock (its id names every object), make the run directory, then
+    create the arenas and the room table."""
+
+    def __init__(self, cfg: WorkerConfig, needs: dict[str, int] | None = None, placement: dict | None = None):
+        self.cfg = cfg = cfg.resolved().validate()
+        self._objects = []
+        self.lock = None
+        shm.sweep(cfg.shm_prefix)
+        shm.require_free({"pixel arena": cfg.pixel_arena_bytes,
+                          "embedding arena": cfg.embedding_arena_bytes, **(needs or {})})
+        self.lock = shm.RunLock(cfg.shm_prefix)
+        self.run_id = self.lock.run_id
+        try:
+            shm.private_dir(cfg.run_dir)
+            self.shared = wiring.create_shared(cfg, self.run_id, self.own, placement)
+        except BaseException:
+            Runtime.close(self)  # what this made; a subclass has made nothing yet
+            raise
+        self.rooms = self.shared.rooms
+
+    def own(self, obj):
+        """Take a shared object to close and unlink at close()."""
+        self._objects.append(obj)
+        return obj
+
+    # ------------------------------------------------------------ what each mode says
+    def poll(self) -> None:
+        """A short step of the work (or of watching it), for the drain's waits."""
+        raise NotImplementedError
+
+    def stop_taking_requests(self) -> None:
+        raise NotImplementedError
+
+    def tell_reaper(self, record) -> bool:
+        """Hand the reaper a record; False if no reaper is there to take it."""
+        raise NotImplementedError
+
+    def settled(self) -> bool:
+        """Whether what the reaper decided (fences, statuses) has gone out."""
+        return True
+
+    def watch(self, stop: threading.Event) -> None:
+        """One turn of serving: run the stages, or watch their processes."""
+        raise NotImplementedError
+
+    def stop_all(self) -> None:
+        """Stop every stage (after a drain, or when the run cannot go on)."""
+
+    fatal: str | None = None  # why the run cannot go on (a stage kept dying)
+
+    def serve(self, stop: threading.Event, second: threading.Event | None = None) -> int:
+        """Serve until `stop`; then drain for drain_timeout_s (none once `second` is set)
+        and stop. Returns 0, or 1 if the run could not go on."""
+        second = second or threading.Event()
+        while not stop.is_set() and self.fatal is None:
+            self.watch(stop)
+        if self.fatal is None:
+            self.drain(0.0 if second.is_set() else self.cfg.drain_timeout_s, second.is_set)
+            self.stop_all()
+            return 0
+        self.fail_live(f"worker stopped: {self.fatal}")
+        self.stop_all()
+        return 1
+
+    # ------------------------------------------------------------ shared behaviour
+    def live_rooms(self) -> list:
+        return [e for e in self.rooms.entries() if e.state < RoomState.SUCCESS]
+
+    def drain(self, deadline_s: float, cut_short=lambda: False) -> None:
+        """Stop taking requests; let rooms in flight finish until the deadline (or until
+        `cut_short()`); fail the rest."""
+        self.stop_taking_requests()
+        self._wait(lambda: not self.live_rooms() or cut_short(), deadline_s)
+        self.fail_live(SHUTTING_DOWN)
+
+    def fail_live(self, reason: str) -> None:
+        """Fail every live room through the reaper (so receivers hear), then in the table
+        for any the reaper could not reach."""
+        live = tuple((e.slot, e.room) for e in self.live_rooms())
+        if live and self.tell_reaper(RoomsLost(live, reason)):
+            self._wait(lambda: not self.live_rooms(), 5.0)
+            self._wait(self.settled, 2.0)  # the sender's fence and the reaper's statuses
+        for e in self.live_rooms():
+            self.rooms.fail(e.slot, e.room, reason)
+
+    def _wait(self, done, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and not done():
+            self.poll()
+
+    def close(self) -> None:
+        for obj in reversed(self._objects):
+            obj.close()
+            obj.unlink()
+        self._objects = []
+        wiring.unlink_ipc(self.cfg.intake)
+        if self.lock is not None:
+            shm.sweep(self.cfg.shm_prefix, self.lock.run_id, include_live=True)
+            self.lock.release()
+            self.lock = None
+
+
+def serve_until_signalled(make, announce) -> int:
+    """`run.py serve`: start the runtime `make()` builds, serve until SIGTERM/SIGINT, drain
+    for drain_timeout_s (a second signal, before or during it, skips the rest), close.
+    Returns the runtime's exit code; StartError if it could not start."""
+    stop, second = threading.Event(), threading.Event()
+
+    def on_signal(signum, _frame):
+        (second if stop.is_set() else stop).set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        rt = make()
+    except StartError:
+        raise
+    except Exception as e:  # /dev/shm too small, a run dir we cannot make, a port taken, ...
+        raise StartError(str(e)) from e
+    try:
+        announce(rt)
+        return rt.serve(stop, second)
+    finally:
+        rt.close()
