@@ -21,7 +21,7 @@ EDGES = [
     # overtakes its room's RoomOpened until the room arrives)
     ("intake", "cache"), ("intake", "sender"), ("intake", "reaper"),
     ("cache", "scheduler"), ("cache", "sender"), ("cache", "reaper"),
-    ("scheduler", "tower"), ("scheduler", "reaper"),
+    ("scheduler", "tower"), ("scheduler", "reaper"), ("scheduler", "cache"),
     ("tower", "sender"), ("tower", "cache"), ("tower", "scheduler"), ("tower", "reaper"),
     ("sender", "reaper"),
     ("reaper", "sender"), ("reaper", "cache"), ("reaper", "scheduler"),

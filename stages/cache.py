@@ -9,7 +9,7 @@ from ipc.wire import content_hash
 from stages.embedding_cache import EmbeddingCache, InflightMisses
 from stages.base import Stage
 from stages.records import (OWNER_CACHE, OWNER_INTAKE, OWNER_TOWER, Encoded, EncodeFailed, ReadyItem, RoomAbandoned,
-                            RoomFailure, WorkItem)
+                            RoomFailure, SpaceWanted, WorkItem)
 
 
 class HashCache:
@@ -169,6 +169,9 @@ class CacheStage(Stage):
                     self.custody.release(ready.slot, ready.room)
             case EncodeFailed(item=w, reason=reason, rooms=rooms):
                 self._encode_failed(w, reason, rooms)
+            case SpaceWanted(nbytes=nbytes):
+                self.hc.flush_inserts()
+                self.hc.cache.give_back(nbytes)
             case RoomAbandoned(room=room):
                 for w in self.hc.forget_room(room):
                     self.emit("scheduler", w)

@@ -125,6 +125,7 @@ class EmbeddingCache:
                 "inserts",
                 "insert_present",
                 "stale_dropped",
+                "given_back",
             ),
             0,
         )
@@ -226,6 +227,19 @@ class EmbeddingCache:
         self._t1_bytes += n
         self._c["inserts"] += 1
         return True
+
+    def give_back(self, nbytes: int) -> int:
+        """Demote tier-1 entries, least recently used first, until ``nbytes`` of the arena
+        are given back (or the tier is empty): an item to encode must never wait for
+        rows that are only cached. Returns the bytes given back."""
+        freed = 0
+        while self._t1 and freed < nbytes:
+            key, lease = self._t1.popitem(last=False)
+            self._t1_bytes -= lease.length
+            freed += lease.length
+            self._demote(key, lease)
+            self._c["given_back"] += lease.length
+        return freed
 
     # -- eviction machinery ---------------------------------------------
 

@@ -75,7 +75,7 @@ def segment_name_problem(prefix: str, name: str) -> str | None:
 
 class Intake:
     def __init__(self, *, prefix: str, run_id: str, pixel_arena: Arena, rooms: RoomTable,
-                 patch_dim: int, merge: int, max_items_per_request: int,
+                 patch_dim: int, merge: int, row_bytes: int, emb_arena_bytes: int, max_items_per_request: int,
                  max_pixel_bytes_per_request: int, max_live_rooms: int):
         self.prefix = prefix
         self.run_id = run_id
@@ -83,6 +83,8 @@ class Intake:
         self.rooms = rooms
         self.patch_dim = patch_dim
         self.merge = merge
+        self.row_bytes = row_bytes  # of one embedding row, main and deepstack
+        self.emb_arena_bytes = emb_arena_bytes
         self.max_items = max_items_per_request
         self.max_pixel_bytes = max_pixel_bytes_per_request
         self.max_live_rooms = max_live_rooms
@@ -165,6 +167,13 @@ class Intake:
             req = wire.parse_encode(msg, self.max_items)
             spans = [wire.check_item_against_tower(i, it, self.patch_dim, self.merge)
                      for i, it in enumerate(req.items)]
+            for i, span in enumerate(spans):
+                if span * self.row_bytes > self.emb_arena_bytes:
+                    # It could never be reserved: refused here rather than waited for forever.
+                    raise ProtocolError(
+                        f"item {i} needs {span * self.row_bytes} bytes of embedding ({span} rows of "
+                        f"{self.row_bytes} bytes); the embedding arena holds {self.emb_arena_bytes} "
+                        f"(embedding_arena_bytes)")
             total = sum(it.pixels.nbytes for it in req.items)
             if total > self.max_pixel_bytes:
                 raise ProtocolError(
@@ -347,6 +356,7 @@ def build(env, emit, custody) -> IntakeStage:
     cfg, spec = env.cfg, env.spec
     intake = Intake(prefix=cfg.shm_prefix, run_id=env.run_id, pixel_arena=env.shared.pixel_arena,
                     rooms=env.shared.rooms, patch_dim=spec.patch_dim, merge=spec.merge,
+                    row_bytes=spec.row_bytes, emb_arena_bytes=env.shared.emb_arena.size,
                     max_items_per_request=cfg.max_items_per_request,
                     max_pixel_bytes_per_request=cfg.max_pixel_bytes_per_request,
                     max_live_rooms=cfg.max_live_rooms)

@@ -18,6 +18,7 @@ values travel through an in-memory queue (one process) or a shared-memory ring
 | EncodeFailed | tower | cache | the item the tower failed on, with the reason and the batch's rooms |
 | TowerCredit | tower | scheduler | one batch finished: the scheduler may send another |
 | TowerRestarted | tower | scheduler | a new tower process: credits of batches its predecessor held are gone |
+| SpaceWanted | scheduler | cache | the next batch finds no room in the embedding arena: give cached rows back |
 | RoomFailure | intake | reaper | a request that broke a rule |
 | RoomFailure | cache | reaper | pixels lost, or the tower failed on a room's item |
 | RoomFailure | scheduler | reaper | pixels lost before scheduling |
@@ -114,6 +115,11 @@ class TowerCredit:
 @dataclass(frozen=True, slots=True)
 class TowerRestarted:
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class SpaceWanted:
+    nbytes: int
 
 
 @dataclass(frozen=True, slots=True)

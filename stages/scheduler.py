@@ -28,10 +28,10 @@ import heapq
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
-from ipc.arena import Lease, StaleLease
+from ipc.arena import ArenaFull, Lease, StaleLease
 from stages.base import POLL_S, Stage
-from stages.records import (OWNER_CACHE, OWNER_SCHEDULER, Batch, RoomAbandoned, RoomFailure, TowerCredit,
-                            TowerRestarted, WorkItem)
+from stages.records import (OWNER_CACHE, OWNER_SCHEDULER, Batch, RoomAbandoned, RoomFailure, SpaceWanted,
+                            TowerCredit, TowerRestarted, WorkItem)
 
 
 @dataclass(frozen=True, order=True)
@@ -137,6 +137,9 @@ class Scheduler:
         return bool(self._heap)
 
 
+SPACE_WANTED_EVERY_S = 0.2
+
+
 class SchedulerStage(Stage):
     """Misses from the cache in; batches to the tower, at most `depth` outstanding.
 
@@ -157,6 +160,8 @@ class SchedulerStage(Stage):
         self.depth = depth
         self.credits = depth
         self.reserved: dict[tuple[int, int], Lease] = {}  # (room, item) -> output space, for the batch at hand
+        self.short_of = 0  # bytes the batch at the head could not reserve
+        self.wanted_at = float("-inf")
 
     def handle(self, source: str, rec) -> None:
         match rec:
@@ -193,25 +198,37 @@ class SchedulerStage(Stage):
 
     def _reserve(self, batch: list[Pending]) -> bool:
         for p in batch:
-            lease = self.emb_arena.alloc(self.entry_bytes(p.span), self.owner)
+            nbytes = self.entry_bytes(p.span)
+            try:
+                lease = self.emb_arena.alloc(nbytes, self.owner)
+            except ArenaFull:  # every lease slot is live: as short of room as no space
+                lease = None
             if lease is None:
                 for taken in self.reserved.values():
                     self.emb_arena.drop(taken, self.owner)
                 self.reserved.clear()
+                self.short_of = sum(self.entry_bytes(q.span) for q in batch)
                 return False
             self.reserved[(p.room, p.item)] = lease
+        self.short_of = 0
         return True
 
     def tick(self, now: float) -> None:
+        self.short_of = 0
         while self.credits > 0:
             batch = self.scheduler.next_batch(self._reserve)
             if not batch:
-                return
+                break
             self.credits -= 1
             items = tuple(replace(p.payload, out=self.reserved.pop((p.room, p.item))) for p in batch)
             self.emit("tower", Batch(items))
             for w in items:
                 self.custody.release(w.slot, w.room)
+        if self.short_of and now - self.wanted_at >= SPACE_WANTED_EVERY_S:
+            # Cached rows may be what fills the arena: the cache gives them back. Asked
+            # again while short, as the rows in flight to receivers are freed meanwhile.
+            self.emit("cache", SpaceWanted(self.short_of))
+            self.wanted_at = now
 
     def next_tick_in(self, now: float) -> float | None:
         # Items wait for a credit (the tower's answer wakes us) or for embedding space (poll).

@@ -178,7 +178,8 @@ def intake(shm_prefix):
     arena = Arena.create(shm_prefix, run_id, "pixels", 4 << 20)
     rooms = RoomTable.create(shm_prefix, run_id, "rooms", 64)
     yield Intake(prefix=shm_prefix, run_id=run_id, pixel_arena=arena, rooms=rooms, patch_dim=PATCH_DIM,
-                 merge=2, max_items_per_request=8, max_pixel_bytes_per_request=1 << 20, max_live_rooms=32)
+                 merge=2, row_bytes=192, emb_arena_bytes=32 << 20, max_items_per_request=8,
+                 max_pixel_bytes_per_request=1 << 20, max_live_rooms=32)
     for obj in (arena, rooms):
         obj.close()
         obj.unlink()

@@ -353,3 +353,46 @@ def test_tiny_qwen_rows_arrive_as_the_tower_made_them(env, name):
         np.testing.assert_allclose(main, outs[0][0], rtol=1e-5, atol=1e-6)
         if spec.deepstack_width:
             np.testing.assert_allclose(deep, outs[0][1], rtol=1e-5, atol=1e-6)
+
+
+def restarts(w) -> int:
+    return sum(w.sup.restart_counts.values()) if w.sup is not None else 0
+
+
+def test_an_item_larger_than_the_embedding_arena_fails_at_intake_naming_the_sizes(env):
+    """Rows of 192 bytes (hidden 64 + deepstack 32, bfloat16); a 64 KiB arena holds 341 of them."""
+    w, client, (r,) = env(embedding_arena_bytes=64 << 10, arena_cache_bytes=16 << 10)
+    big = Item("image", *image(70, grid=(1, 40, 40)))  # 400 rows: 76,800 bytes
+    room = next(_rooms)
+    client.encode(room, "too-big", [Item("image", *image(71)), big])
+    r.alloc(room, 0, span=4, hidden=64, dtype="bfloat16", deepstack_width=32)
+    assert r.wait({room: 2}, 60)
+    assert r.failed[room] == ("item 1 needs 76800 bytes of embedding (400 rows of 192 bytes); "
+                              "the embedding arena holds 65536 (embedding_arena_bytes)")
+    good_item = Item("image", *image(72))
+    good = send_room(client, [r], w, [good_item])
+    assert r.wait({good: 1}, 60) and good not in r.failed
+    check_rows(r, w, good, 0, good_item)
+    assert restarts(w) == 0, "a request must never cost a stage restart"
+
+
+def test_an_item_that_fits_only_if_the_cache_gives_space_back_succeeds(env):
+    """A 64 KiB arena whose 32 KiB ship-ready tier is full of earlier images, then an item
+    of 48,000 bytes: the cache gives space back instead of the worker wedging."""
+    w, client, (r,) = env(embedding_arena_bytes=64 << 10, arena_cache_bytes=32 << 10)
+    earlier = {}
+    for k in range(14):  # 14 x 3,072 bytes: the tier is full
+        it = Item("image", *image(200 + k, grid=(1, 8, 8)))
+        earlier[send_room(client, [r], w, [it])] = 1
+    assert r.wait(earlier, 60) and not r.failed
+    assert w.stats()["cache"]["arena_bytes"] > (32 << 10) - 3072
+    big_item = Item("image", *image(300, grid=(1, 20, 50)))  # 250 rows: 48,000 bytes
+    big = send_room(client, [r], w, [big_item])
+    after_item = Item("image", *image(301))
+    after = send_room(client, [r], w, [after_item])
+    assert r.wait({big: 1, after: 1}, 60), "the worker is wedged"
+    assert not r.failed, r.failed
+    check_rows(r, w, big, 0, big_item)
+    check_rows(r, w, after, 0, after_item)
+    assert w.stats()["cache"]["given_back"] > 0
+    assert restarts(w) == 0
