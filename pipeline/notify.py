@@ -44,6 +44,7 @@ class Notifier:
         path = env.get("NOTIFY_SOCKET", "")
         self.address = ("\0" + path[1:]) if path.startswith("@") else (path or None)
         self.watchdog_s = _watchdog_interval(env)
+        self._ready = False
         self._pinged_at = None
         self._withheld = ""
         self._failing = False
@@ -72,6 +73,7 @@ class Notifier:
         return self.send(f"STATUS={_one_line(text)}")
 
     def ready(self, text: str = "ready") -> bool:
+        self._ready = True
         return self.send("READY=1", f"STATUS={_one_line(text)}")
 
     def stopping(self, text: str = "draining") -> bool:
@@ -81,8 +83,9 @@ class Notifier:
         """Called from the supervisor's loop, as often as it turns: sends `WATCHDOG=1` when
         half of `WATCHDOG_USEC` has passed since the last one and every stage's heartbeat
         (seconds since it beat; None for a stage not running, e.g. being restarted) is
-        younger than that half. True if it sent one."""
-        if self.address is None or self.watchdog_s is None:
+        younger than that half. None before `ready()`: the manager arms its watchdog at
+        READY=1, and stages still starting have no heartbeat. True if it sent one."""
+        if self.address is None or self.watchdog_s is None or not self._ready:
             return False
         now = time.monotonic() if now is None else now
         if self._pinged_at is not None and now - self._pinged_at < self.watchdog_s:

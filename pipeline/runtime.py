@@ -12,6 +12,7 @@ from ipc import shm
 from ipc.rooms import RoomState
 from pipeline import wiring
 from pipeline.config import WorkerConfig
+from pipeline.notify import Notifier
 from stages.records import RoomsLost
 
 SHUTTING_DOWN = "worker shutting down"
@@ -30,6 +31,10 @@ class Runtime:
     create the arenas and the room table."""
 
     def __init__(self, cfg: WorkerConfig, needs: dict[str, int] | None = None, placement: dict | None = None):
+        # Before any stage process exists: it takes NOTIFY_SOCKET out of the environment
+        # they inherit, so the service manager hears from this process alone.
+        self.notifier = Notifier()
+        self.notifier.status("starting: creating the shared memory")
         self.cfg = cfg = cfg.resolved().validate()
         self._objects = []
         self.lock = None
@@ -74,7 +79,17 @@ class Runtime:
     def stop_all(self) -> None:
         """Stop every stage (after a drain, or when the run cannot go on)."""
 
+    def heartbeat_ages(self) -> dict[str, float | None]:
+        """Seconds since each stage process beat (None: not running or not ready yet).
+        Stages that run in the loop itself have none: the loop's turn is their heartbeat."""
+        return {}
+
+    def stages_not_ready(self) -> list[str]:
+        return []
+
     fatal: str | None = None  # why the run cannot go on (a stage kept dying)
+    draining = False
+    _turned_at: float | None = None
 
     def serve(self, stop: threading.Event, second: threading.Event | None = None) -> int:
         """Serve until `stop`; then drain for drain_timeout_s (none once `second` is set)
@@ -82,13 +97,32 @@ class Runtime:
         second = second or threading.Event()
         while not stop.is_set() and self.fatal is None:
             self.watch(stop)
+            self.turned()
         if self.fatal is None:
             self.drain(0.0 if second.is_set() else self.cfg.drain_timeout_s, second.is_set)
             self.stop_all()
             return 0
+        self.notifier.stopping(f"stopping: {self.fatal}")
         self.fail_live(f"worker stopped: {self.fatal}")
         self.stop_all()
         return 1
+
+    # ------------------------------------------------------------ what a supervisor sees
+    def turned(self) -> None:
+        """The loop (serving, draining, or waiting for a stage to start) went round: what
+        /healthz and the service manager's watchdog go by."""
+        self._turned_at = time.monotonic()
+        self.notifier.watchdog(self.heartbeat_ages(), self._turned_at)
+
+    def health(self) -> dict:
+        """The conditions of the /healthz and /readyz probes (pipeline.metrics.READY_WHEN);
+        called on the metrics endpoint's thread."""
+        turned = self._turned_at
+        not_ready = self.stages_not_ready()
+        return {"loop_alive": turned is not None
+                and time.monotonic() - turned < max(2.0, self.cfg.heartbeat_timeout_s),
+                "stages_ready": not not_ready, "not_ready": not_ready,
+                "draining": self.draining, "restart_budget_left": self.fatal is None}
 
     # ------------------------------------------------------------ shared behaviour
     def live_rooms(self) -> list:
@@ -97,6 +131,9 @@ class Runtime:
     def drain(self, deadline_s: float, cut_short=lambda: False) -> None:
         """Stop taking requests; let rooms in flight finish until the deadline (or until
         `cut_short()`); fail the rest."""
+        self.draining = True
+        self.notifier.stopping(f"draining: {len(self.live_rooms())} rooms in flight, "
+                               f"up to {deadline_s:g} s")
         self.stop_taking_requests()
         self._wait(lambda: not self.live_rooms() or cut_short(), deadline_s)
         self.fail_live(SHUTTING_DOWN)
@@ -115,6 +152,7 @@ class Runtime:
         end = time.monotonic() + timeout
         while time.monotonic() < end and not done():
             self.poll()
+            self.turned()
 
     def close(self) -> None:
         for obj in reversed(self._objects):
@@ -147,6 +185,7 @@ def serve_until_signalled(make, announce) -> int:
         raise StartError(str(e)) from e
     try:
         announce(rt)
+        rt.notifier.ready(f"serving: intake {rt.cfg.intake}, bootstrap {rt.cfg.bootstrap}")
         return rt.serve(stop, second)
     finally:
         rt.close()

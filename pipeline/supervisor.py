@@ -88,6 +88,7 @@ class Supervisor(Runtime):
     def _await_ready(self, name: str, proc, conn, timeout: float) -> None:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
+            self.turned()  # a tower may take minutes to load: the supervisor is alive meanwhile
             if conn.poll(0.05):
                 try:
                     kind, payload = conn.recv()
@@ -110,10 +111,11 @@ class Supervisor(Runtime):
         try:
             if self.cfg.metrics_endpoint:
                 try:
-                    self.metrics = MetricsServer(self.cfg.metrics_endpoint, self.metrics_snapshot)
+                    self.metrics = MetricsServer(self.cfg.metrics_endpoint, self.metrics_snapshot, self.health)
                 except MetricsError as e:
                     raise PipelineError(str(e)) from None
-            for name in START_ORDER:
+            for n, name in enumerate(START_ORDER, 1):
+                self.notifier.status(f"starting the {name} stage ({n} of {len(START_ORDER)})")
                 proc, conn = self._spawn(name)
                 self.procs[name] = proc
                 self._await_ready(name, proc, conn, self.cfg.start_timeout_s)
@@ -215,6 +217,20 @@ class Supervisor(Runtime):
             log.error("the %s's ring is full: could not deliver %s", dest, type(record).__name__)
             return False
         return True
+
+    def heartbeat_ages(self) -> dict[str, float | None]:
+        now = time.monotonic()
+        ages = {}
+        for name, proc in self.procs.items():
+            row = self.hb.row(name)
+            ready = proc is not None and row[Heartbeats.READY]
+            ages[name] = max(0.0, now - float(row[Heartbeats.BEAT])) if ready else None
+        return ages
+
+    def stages_not_ready(self) -> list[str]:
+        # On the metrics endpoint's thread: no is_alive(), whose waitpid would race the
+        # loop's; a stage found dead is None in procs within a turn of the loop.
+        return [name for name in STAGES if self.procs.get(name) is None or not self.hb.row(name)[Heartbeats.READY]]
 
     # ------------------------------------------------------------ state
     def stats(self) -> dict:

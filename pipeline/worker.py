@@ -28,6 +28,7 @@ class Worker(Runtime):
         self._published_at = 0.0
         self.env = Env(self.cfg, self.run_id, self.shared, tower=tower)
         self.channel = QueueChannel()
+        self.notifier.status("starting the stages")
         try:
             for name in registry.STAGES:
                 self.stages[name] = self.env.build(name, self.channel.emitter(name), None)
@@ -38,7 +39,7 @@ class Worker(Runtime):
                 stage.start()
                 self.loop.settle(stage)
             if self.cfg.metrics_endpoint:
-                self.metrics = MetricsServer(self.cfg.metrics_endpoint, self.metrics_snapshot)
+                self.metrics = MetricsServer(self.cfg.metrics_endpoint, self.metrics_snapshot, self.health)
         except BaseException:
             self.close()
             raise

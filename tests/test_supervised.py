@@ -1,22 +1,27 @@
 """Under a process supervisor: the systemd notify protocol (pipeline/notify.py), the HTTP
-probes next to /metrics (pipeline/metrics.py), and a demo whose stderr holds no line
-of Mooncake's at the default log level."""
+probes next to /metrics (pipeline/metrics.py), `run.py serve` speaking both to a fake
+systemd, and a demo whose stderr holds no line of Mooncake's at the default log level."""
 from __future__ import annotations
 
 import json
 import os
 import re
 import socket
+import signal
 import subprocess
 import sys
+import threading
+import time
 import urllib.error
 import urllib.request
 
 import pytest
 
+from pipeline.client import Client, Item
 from pipeline.metrics import MetricsServer, Snapshot, Totals
 from pipeline.notify import Notifier
-from tests.helpers import free_port
+from pipeline.receiver import Receiver
+from tests.helpers import free_port, image
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -88,6 +93,8 @@ def test_watchdog_pings_every_half_interval_while_every_heartbeat_is_fresh(manag
     n = Notifier({"NOTIFY_SOCKET": manager.env, "WATCHDOG_USEC": "4000000"})
     assert n.watchdog_s == 2.0
     fresh = {"intake": 0.1, "tower": 1.9}
+    assert not n.watchdog(fresh, now=9.0)  # the manager arms its watchdog at READY=1
+    assert n.ready() and manager.next()[0] == "READY=1"
     assert n.watchdog(fresh, now=10.0)
     assert manager.next() == ["WATCHDOG=1"]
     assert not n.watchdog(fresh, now=11.9)  # not due yet
@@ -106,12 +113,14 @@ def test_watchdog_pings_every_half_interval_while_every_heartbeat_is_fresh(manag
 def test_watchdog_off_unless_asked_of_this_process(env, manager):
     n = Notifier({"NOTIFY_SOCKET": manager.env, **env})
     assert n.watchdog_s is None
+    assert n.ready() and manager.next()[0] == "READY=1"
     assert not n.watchdog({"tower": 0.0}, now=1.0)
     assert manager.nothing()
 
 
 def test_watchdog_pid_of_this_process_is_honoured(manager):
     n = Notifier({"NOTIFY_SOCKET": manager.env, "WATCHDOG_USEC": "1000000", "WATCHDOG_PID": str(os.getpid())})
+    n.ready()
     assert n.watchdog_s == 0.5 and n.watchdog({}, now=1.0)
 
 
@@ -212,3 +221,170 @@ def test_a_healthy_demo_writes_no_mooncake_line_at_the_default_level(shm_prefix,
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     lines = p.stderr.replace("\r", "\n").splitlines()
     assert not [line for line in lines if MOONCAKE_LINE.search(line)], p.stderr[-3000:]
+
+
+# ------------------------------------------------------------------ run.py serve under a fake systemd
+class Listener:
+    """A Manager whose datagrams a thread collects, each with the time it arrived."""
+
+    def __init__(self, where: str):
+        self.manager = Manager(where)
+        self.got: list[tuple[float, list[str]]] = []
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        sock = self.manager.sock
+        sock.settimeout(0.2)
+        while sock.fileno() >= 0:
+            try:
+                lines = sock.recv(4096).decode().split("\n")
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with self.lock:
+                self.got.append((time.monotonic(), lines))
+
+    def times(self, line: str, since: float = 0.0) -> list[float]:
+        with self.lock:
+            return [t for t, lines in self.got if line in lines and t >= since]
+
+    def wait(self, line: str, timeout: float, since: float = 0.0) -> float:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            hit = self.times(line, since)
+            if hit:
+                return hit[0]
+            time.sleep(0.05)
+        with self.lock:
+            pytest.fail(f"no {line} within {timeout} s; got {self.got}")
+
+    def close(self) -> None:
+        self.manager.close()
+        self.thread.join(5)
+
+
+def probe_until(port: int, path: str, want, timeout: float = 60.0) -> tuple[int, dict]:
+    """GET path until want(status, body) holds; the last answer."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+                answer = (r.status, json.loads(r.read()))
+        except urllib.error.HTTPError as e:
+            answer = (e.code, json.loads(e.read()))
+        except OSError as e:  # not listening yet
+            answer = (0, {"error": repr(e)})
+        if want(*answer) or time.monotonic() > end:
+            return answer
+        time.sleep(0.05)
+
+
+def stage_pids(prefix: str) -> dict[str, int]:
+    p = subprocess.run([sys.executable, "run.py", "status", "--shm-prefix", prefix, "--json"], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return {name: s["pid"] for name, s in json.loads(p.stdout)["runs"][0]["stages"].items()}
+
+
+def encode_and_collect(w_intake, bootstrap, prefix, room: int, alloc: bool, hidden=64, deepstack=32):
+    """One single-image room through a fresh client and receiver; (receiver, client)."""
+    client = Client(w_intake, prefix)
+    r = Receiver("rx", bootstrap, buffer_bytes=4 << 20)
+    client.encode(room, f"req-{room}", [Item("image", *image(room, grid=(1, 4, 4)))])
+    if alloc:
+        r.alloc(room, 0, span=4, hidden=hidden, dtype="bfloat16", deepstack_width=deepstack)
+    return r, client
+
+
+@pytest.mark.parametrize("mode,where", [("pipeline", "path"), ("inprocess", "abstract")])
+def test_serve_speaks_to_systemd_and_answers_probes(mode, where, shm_prefix, tmp_path):
+    watchdog_s = 0.5  # WATCHDOG_USEC / 2
+    listener = Listener(str(tmp_path / "notify") if where == "path"
+                        else f"@epd-test-{os.getpid()}-{free_port()}")
+    metrics = free_port()
+    intake, bootstrap = f"ipc://{tmp_path}/intake.sock", f"tcp://127.0.0.1:{free_port()}"
+    flags = dict(shm_prefix=shm_prefix, run_dir=str(tmp_path), intake=intake, bootstrap=bootstrap,
+                 tower="sim", sim_hidden=64, sim_deepstack_width=32, sim_dtype="bfloat16",
+                 pixel_arena_bytes=16 << 20, embedding_arena_bytes=16 << 20, arena_cache_bytes=4 << 20,
+                 ring_bytes=1 << 20, max_tombstones=1024, max_live_rooms=256,
+                 metrics_endpoint=f"127.0.0.1:{metrics}", heartbeat_timeout_s=3.0, drain_timeout_s=8.0,
+                 bootstrap_timeout_s=30.0)
+    cmd = [sys.executable, "run.py", "serve", "--mode", mode]
+    for key, value in flags.items():
+        cmd += ["--" + key.replace("_", "-"), str(value)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+    env.update(NOTIFY_SOCKET=listener.manager.env, WATCHDOG_USEC=str(int(watchdog_s * 2e6)))
+    made = []
+    with open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, env=env,
+                                start_new_session=True)
+    try:
+        # Starting: whatever the probes answer before READY=1, it is not ready.
+        starting = probe_until(metrics, "/readyz", lambda code, _: code != 0 or listener.times("READY=1"))
+        ready_at = listener.wait("READY=1", 120)
+        if starting[0] and not listener.times("READY=1"):  # answered while starting
+            assert starting[0] == 503 and "stages_ready" in starting[1]["failing"], starting
+        with listener.lock:
+            along = [lines[0] for t, lines in listener.got if t < ready_at]
+        assert along and all(line.startswith("STATUS=") for line in along), along
+
+        # Ready: the first request sent the moment READY=1 arrived succeeds.
+        r, client = encode_and_collect(intake, bootstrap, shm_prefix, 1, alloc=True)
+        made += [r, client]
+        assert r.wait({1: 1}, 30) and 1 not in r.failed and not r.violations
+        assert probe_until(metrics, "/readyz", lambda code, _: code == 200)[0] == 200
+        assert probe_until(metrics, "/healthz", lambda code, _: code == 200)[0] == 200
+
+        # Keep-alives at half of WATCHDOG_USEC: about 3 s' worth, never faster than asked.
+        t0 = time.monotonic()
+        time.sleep(3.0)
+        pings = listener.times("WATCHDOG=1", since=t0)
+        assert len(pings) >= 2, pings  # a noisy machine may delay some; none may come early
+        assert min(b - a for a, b in zip(pings, pings[1:])) >= watchdog_s * 0.9, pings
+
+        if mode == "pipeline":
+            # A hung stage stops the pings, and the probes say a stage is not ready while the
+            # supervisor replaces it; the successor's heartbeats bring both back.
+            pids = stage_pids(shm_prefix)
+            os.kill(pids["scheduler"], signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            not_ready = probe_until(metrics, "/readyz", lambda code, _: code == 503, timeout=30)
+            assert not_ready[0] == 503 and not_ready[1]["failing"] == ["stages_ready"], not_ready
+            assert probe_until(metrics, "/healthz", lambda code, _: code == 200)[0] == 200
+            deadline = time.monotonic() + 60
+            while stage_pids(shm_prefix)["scheduler"] == pids["scheduler"] and time.monotonic() < deadline:
+                time.sleep(0.2)
+            replaced_at = time.monotonic()
+            assert stage_pids(shm_prefix)["scheduler"] != pids["scheduler"]
+            # Pings stopped within a few beats of the SIGSTOP and none came until the successor.
+            gap_start = stopped_at + 2 * watchdog_s + 0.5
+            assert not [t for t in listener.times("WATCHDOG=1", since=gap_start) if t < replaced_at - 1.0], \
+                (stopped_at, replaced_at, listener.times("WATCHDOG=1", since=stopped_at))
+            listener.wait("WATCHDOG=1", 30, since=replaced_at)
+            assert probe_until(metrics, "/readyz", lambda code, _: code == 200)[0] == 200
+            r2, client2 = encode_and_collect(intake, bootstrap, shm_prefix, 2, alloc=True)
+            made += [r2, client2]
+            assert r2.wait({2: 1}, 30) and 2 not in r2.failed
+
+        # Draining: a room that waits for its alloc keeps the drain going; SIGTERM says STOPPING=1.
+        r3, client3 = encode_and_collect(intake, bootstrap, shm_prefix, 3, alloc=False)
+        made += [r3, client3]
+        time.sleep(0.5)  # let intake take it
+        term_at = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        listener.wait("STOPPING=1", 30, since=term_at)
+        draining = probe_until(metrics, "/readyz", lambda code, _: code == 503, timeout=10)
+        assert draining[0] == 503 and "draining" in draining[1]["failing"], draining
+        assert probe_until(metrics, "/healthz", lambda code, _: code == 200, timeout=5)[0] == 200
+        assert proc.wait(60) == 0, open(tmp_path / "stderr").read()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for obj in reversed(made):
+            obj.close()
+        listener.close()
+    assert not listener.times("READY=1", since=ready_at + 0.001), "READY=1 twice"
