@@ -11,11 +11,13 @@ from stages.registry import STAGES
 
 
 class Heartbeats:
-    """Per stage: pid, last beat (time.monotonic), ready flag, restarts, and the fraction of
-    the last second its loop spent working. float64 in shared memory."""
+    """Per stage: pid, last beat (time.monotonic), ready flag, restarts, the fraction of
+    the last second its loop spent working, and the drain's handshake. float64 in shared memory."""
 
-    FIELDS = 5
-    PID, BEAT, READY, RESTARTS, BUSY = range(5)
+    FIELDS = 7
+    PID, BEAT, READY, RESTARTS, BUSY, CLOSE, CLOSED = range(7)
+    # CLOSE (the supervisor's ask of the request stage, at a drain) and CLOSED (its answer,
+    # once it has read its socket to the end): 1 = do the requests read, 2 = refuse them.
 
     def __init__(self, seg: shm.Segment):
         import numpy as np

@@ -202,7 +202,8 @@ class Loop:
         self.channel = channel
         self.sockets: list[tuple[Stage, zmq.Socket]] = []
         self.frames: dict[Stage, queue.SimpleQueue] = {}  # frames read by a thread, per stage
-        self.paused: set[Stage] = set()  # stages whose socket is left unread (a drain's intake)
+        self.closing: set[Stage] = set()  # stages that read their socket until it is empty, then pause
+        self.paused: set[Stage] = set()   # stages whose socket is left unread (after a drain began)
         self.idle_s = 0.0      # time spent waiting for work, for the busy ratio
         self._readers: list[threading.Thread] = []
         try:
@@ -271,11 +272,23 @@ class Loop:
             try:
                 frame = frames.get_nowait() if frames is not None else sock.recv(zmq.NOBLOCK)
             except (queue.Empty, zmq.Again):
+                if stage in self.closing:
+                    self.closing.discard(stage)
+                    self.paused.add(stage)
                 break
             stage.handle("socket", frame)
             self.settle(stage)
             took = True
         return took
+
+    def close_when_read(self, stage: Stage) -> None:
+        """Read what is in `stage`'s socket now, then no more (a drain)."""
+        self.paused.discard(stage)
+        self.closing.add(stage)
+
+    def read_to_the_end(self, stage: Stage) -> bool:
+        """Whether `stage` has read its socket until it was empty, and handled it all."""
+        return stage in self.paused and stage.takes_frames()
 
     def _wait(self, max_wait: float) -> None:
         now = time.monotonic()

@@ -61,7 +61,13 @@ class Runtime:
         """A short step of the work (or of watching it), for the drain's waits."""
         raise NotImplementedError
 
-    def stop_taking_requests(self) -> None:
+    def close_intake(self, refusing: str = "") -> None:
+        """The request stage reads what is in its socket now, then no more; with
+        `refusing`, it fails each of those requests with that reason instead of doing it."""
+        raise NotImplementedError
+
+    def intake_closed(self) -> bool:
+        """Whether it has read its socket to the end and handled what it read."""
         raise NotImplementedError
 
     def tell_reaper(self, record) -> bool:
@@ -129,13 +135,18 @@ class Runtime:
         return [e for e in self.rooms.entries() if e.state < RoomState.SUCCESS]
 
     def drain(self, deadline_s: float, cut_short=lambda: False) -> None:
-        """Stop taking requests; let rooms in flight finish until the deadline (or until
-        `cut_short()`); fail the rest."""
+        """Take no new requests, but every one already received concludes: the intake
+        reads what is in its socket, rooms in flight may finish until the deadline (or
+        until `cut_short()`); then whatever the intake still reads and every live room
+        fails with "worker shutting down", and allocs held for rooms never seen are
+        answered."""
         self.draining = True
         self.notifier.stopping(f"draining: {len(self.live_rooms())} rooms in flight, "
                                f"up to {deadline_s:g} s")
-        self.stop_taking_requests()
-        self._wait(lambda: not self.live_rooms() or cut_short(), deadline_s)
+        self.close_intake()
+        self._wait(lambda: (self.intake_closed() and not self.live_rooms()) or cut_short(), deadline_s)
+        self.close_intake(refusing=SHUTTING_DOWN)
+        self._wait(self.intake_closed, 5.0)
         self.fail_live(SHUTTING_DOWN)
 
     def fail_live(self, reason: str) -> None:

@@ -16,6 +16,7 @@ from pipeline import numa, wiring
 from pipeline.boards import Heartbeats, IntakeJournal, StatsBoard
 from pipeline.config import WorkerConfig, setup_logging
 from pipeline.host import Env, Loop, RingChannel
+from pipeline.runtime import SHUTTING_DOWN
 from stages.base import TableCustody
 from stages.registry import OWNERS
 
@@ -72,6 +73,7 @@ class StageHost:
         self.stats_board = StatsBoard.attach(p, run_id)
         self._stats_at = 0.0
         self._busy_window_at = time.monotonic()
+        self._closing = 0.0
         self.loop = self.stage = None
         shared = wiring.attach_shared(cfg, run_id)
         self.journal = IntakeJournal.attach(p, run_id)
@@ -95,6 +97,14 @@ class StageHost:
     def _beat(self) -> None:
         now = time.monotonic()
         self.row[Heartbeats.BEAT] = now
+        close = self.row[Heartbeats.CLOSE]
+        if close > self._closing:  # a drain: read the socket to the end (refusing, at 2)
+            self._closing = close
+            if close >= 2:
+                self.stage.refuse(SHUTTING_DOWN)
+            self.loop.close_when_read(self.stage)
+        if close and self.loop.read_to_the_end(self.stage):
+            self.row[Heartbeats.CLOSED] = close
         if os.getppid() != self.parent:
             # The supervisor is gone (killed whole): nobody can restart or clean up after
             # us; the next start with this prefix sweeps the shared objects.

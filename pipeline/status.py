@@ -111,7 +111,7 @@ def read_run(prefix: str, run_id: str, pid: int) -> dict:
         stages = {}
         try:
             for stage in registry.STAGES:
-                pid, beat, ready, restarts, busy = (float(x) for x in hb.row(stage)[:Heartbeats.FIELDS])
+                pid, beat, ready, restarts, busy = (float(x) for x in hb.row(stage)[:Heartbeats.CLOSE])
                 stages[stage] = {
                     "pid": int(pid), "alive": _pid_alive(int(pid)), "ready": bool(ready),
                     "heartbeat_age_s": round(max(0.0, now - beat), 3), "busy_ratio": round(busy, 3),

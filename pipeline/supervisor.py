@@ -81,6 +81,7 @@ class Supervisor(Runtime):
         row[Heartbeats.READY] = 0.0
         row[Heartbeats.BEAT] = time.monotonic()
         row[Heartbeats.BUSY] = 0.0
+        row[Heartbeats.CLOSED] = 0.0  # a predecessor's answer is not this one's
         proc.start()
         child.close()
         return proc, parent
@@ -258,8 +259,16 @@ class Supervisor(Runtime):
         return Snapshot(totals, stats, stages, arenas, self.rooms.count_live())
 
     # ------------------------------------------------------------ stopping
-    def stop_taking_requests(self) -> None:
-        self._stop_stage(REQUEST_STAGE)
+    def close_intake(self, refusing: str = "") -> None:
+        # The stage reads its ask at its next beat; a successor started meanwhile, too.
+        self.hb.row(REQUEST_STAGE)[Heartbeats.CLOSE] = 2.0 if refusing else 1.0
+
+    def intake_closed(self) -> bool:
+        proc = self.procs.get(REQUEST_STAGE)
+        if proc is None or not proc.is_alive():
+            return True  # its socket went with it
+        row = self.hb.row(REQUEST_STAGE)
+        return row[Heartbeats.CLOSED] >= row[Heartbeats.CLOSE]
 
     def settled(self) -> bool:
         (dest,) = wiring.outputs_of("supervisor")

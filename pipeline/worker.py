@@ -59,8 +59,15 @@ class Worker(Runtime):
     def poll(self) -> None:
         self.step(0.005)
 
-    def stop_taking_requests(self) -> None:
-        self.loop.paused.add(self.stages[registry.REQUEST_STAGE])
+    def close_intake(self, refusing: str = "") -> None:
+        stage = self.stages[registry.REQUEST_STAGE]
+        if refusing:
+            stage.refuse(refusing)
+            self.loop.settle(stage)  # a request it had stalled on fails at its next tick
+        self.loop.close_when_read(stage)
+
+    def intake_closed(self) -> bool:
+        return self.loop.read_to_the_end(self.stages[registry.REQUEST_STAGE])
 
     def tell_reaper(self, record) -> bool:
         (dest,) = wiring.outputs_of("supervisor")  # what the supervisor says goes to the reaper

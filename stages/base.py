@@ -97,6 +97,10 @@ class Stage:
         """False while it cannot take another frame from its socket (they wait in the socket)."""
         return True
 
+    def refuse(self, reason: str) -> None:
+        """From now on, fail what arrives on its socket with `reason` instead of doing it
+        (the end of a drain: every request received concludes, none waits)."""
+
     def start(self) -> None:
         """Called once before the first round: a stage that begins again after its
         predecessor died picks up here what that one left (tables, journals, peers)."""

@@ -89,6 +89,7 @@ class Intake:
         self.max_pixel_bytes = max_pixel_bytes_per_request
         self.max_live_rooms = max_live_rooms
         self.journal = None        # journal(room or None, segment names), set by a host that wants it
+        self.refusing = ""         # why every request now fails at once (a drain's end), if it does
         self.dropped = Counter()   # reason -> messages dropped without a room to fail
         self.failed = Counter()    # reason kind -> rooms failed at intake
         self.requests = Counter()  # (accepted / rejected: room failed here / dropped, reason class)
@@ -162,6 +163,9 @@ class Intake:
             return self._drop("duplicate room")
         rid = msg.get("request_id") if isinstance(msg.get("request_id"), str) else ""
         rid = rid[: wire.MAX_REQUEST_ID]
+        if self.refusing:
+            self._close(self._take_segments(msg))
+            return self._fail_new_room(room, rid, self.refusing)
 
         try:
             req = wire.parse_encode(msg, self.max_items)
@@ -315,6 +319,9 @@ class IntakeStage(Stage):
                 os.unlink(path)
         except FileNotFoundError:
             pass
+
+    def refuse(self, reason: str) -> None:
+        self.intake.refusing = reason
 
     def handle(self, source: str, frame) -> None:
         self._handle(frame, time.monotonic())

@@ -168,15 +168,21 @@ def test_crash_loop_trips_the_restart_limit(shm_prefix, tmp_path):
         w.close()
 
 
-def test_sigterm_under_load_drains_and_exits_zero(shm_prefix, tmp_path):
-    """`run.py serve --mode pipeline` as an operator runs it: SIGTERM drains, exit 0, nothing left."""
+@pytest.mark.parametrize("mode", ["pipeline", "inprocess"])
+@pytest.mark.parametrize("drain_s", ["10", "0.3"])
+def test_sigterm_right_after_a_burst_concludes_every_room_received(mode, drain_s, shm_prefix, tmp_path):
+    """`run.py serve` as an operator runs it: SIGTERM just after a burst of 80 rooms (allocs
+    sent). The intake reads what is in its socket: every room concludes at the receiver
+    (success, or "worker shutting down" once the drain's time is up), no segment is left,
+    exit 0."""
     port = free_port()
-    cmd = [sys.executable, "run.py", "serve", "--mode", "pipeline", "--shm-prefix", shm_prefix,
+    cmd = [sys.executable, "run.py", "serve", "--mode", mode, "--shm-prefix", shm_prefix,
            "--intake", f"ipc://{tmp_path}/intake.sock", "--bootstrap", f"tcp://127.0.0.1:{port}",
            "--run-dir", str(tmp_path), "--tower", "sim", "--sim-hidden", "64",
            "--sim-deepstack-width", "32", "--sim-time-per-row-s", "0.0005",
            "--pixel-arena-bytes", str(64 << 20), "--embedding-arena-bytes", str(32 << 20),
-           "--arena-cache-bytes", str(8 << 20), "--max-tombstones", "1024", "--max-live-rooms", "256"]
+           "--arena-cache-bytes", str(8 << 20), "--max-tombstones", "1024", "--max-live-rooms", "256",
+           "--drain-timeout-s", drain_s]
     proc = subprocess.Popen(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
@@ -185,18 +191,20 @@ def test_sigterm_under_load_drains_and_exits_zero(shm_prefix, tmp_path):
         client = Client(f"ipc://{tmp_path}/intake.sock", shm_prefix)
         r = Receiver("rx", f"tcp://127.0.0.1:{port}")
         sent = {}
-        for k in range(20):
+        for k in range(80):
             room = next(_rooms)
             client.encode(room, "t", [Item("image", *image(300 + k, grid=(1, 8, 8)))])
             r.alloc(room, 0, span=16, hidden=64, dtype="bfloat16", deepstack_width=32)
             sent[room] = 1
-        time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
-        assert r.wait(sent, 10), "a room was left without a status"
+        assert r.wait(sent, 10), f"rooms left without a status: {[x for x in sent if not r.concluded(x, 1)]}"
+        assert set(r.failed.values()) <= {"worker shutting down"}, r.failed
         assert not r.violations
         client.close()
         r.close()
+        left = [n for n in os.listdir("/dev/shm") if n.startswith(shm_prefix)]
+        assert not left, f"segments left: {left}"
     finally:
         if proc.poll() is None:
             proc.kill()
