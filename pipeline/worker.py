@@ -77,8 +77,10 @@ class Worker(Runtime):
         return True
 
     def settled(self) -> bool:
+        # Work in hand (writes, a device job) is due within a poll; timers (deadlines) are not work.
         now = time.monotonic()
-        return not self.channel.pending() and all(s.next_tick_in(now) is None for s in self.stages.values())
+        return not self.channel.pending() and all(
+            due is None or due > 0.01 for due in (s.next_tick_in(now) for s in self.stages.values()))
 
     # ------------------------------------------------------------ state
     def stats(self) -> dict:
