@@ -5,10 +5,12 @@
 
 Runs benchmarks/ring.py, benchmarks/transfer.py and benchmarks/pipeline.py (each in
 its own process, each printing its figures as ratios against its own baseline);
-pipeline.py with its load scenario too: both modes of the worker (sim tower,
-cpu-bound settings) measured at each number of rooms in flight (1, 2, 4, ... 64).
-The PNG (PATH with .png) shows images/s of both modes against rooms in flight, and
-the one-at-a-time latency percentiles of both modes.
+pipeline.py with every scenario (cpu-bound, small, device-bound, tiny Qwen) and its
+load scenario too: both modes of the worker (sim tower, cpu-bound settings)
+measured at each number of rooms in flight (1, 2, 4, ... 64). The PNG (PATH with
+.png) shows images/s of both modes against rooms in flight, the one-at-a-time
+latency percentiles of both modes (4.8 MB and small images), and images/s of both
+modes in each scenario.
 
 Exit status: 0 when every benchmark ran (a missed target is printed, not an error);
 1 when one failed (a failed room, a protocol violation, a crash).
@@ -25,6 +27,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PARTS = ("ring", "transfer", "pipeline")
+PIPELINE_SCENARIOS = "cpu,small,device,tiny,load"  # every scenario of benchmarks/pipeline.py
 
 
 def run_script(name: str, extra: list[str], out_dir: str) -> tuple[int, dict]:
@@ -47,7 +50,7 @@ def plot(results: dict, png: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.2))
     load = (results.get("pipeline") or {}).get("load")
     if load:
         for mode, style in (("inprocess", "o-"), ("pipeline", "s-")):
@@ -61,18 +64,34 @@ def plot(results: dict, png: str) -> None:
     ax1.grid(alpha=0.3)
     raw = (results.get("pipeline") or {}).get("raw", {})
     qs = ("p50", "p90", "p99")
-    width = 0.38
-    for k, mode in enumerate(("inprocess", "pipeline")):
-        lat = raw.get(f"cpu_bound_{mode}", {}).get("latency_ms")
-        if lat:
-            xs = [i + (k - 0.5) * width for i in range(len(qs))]
-            ax2.bar(xs, [lat[q] for q in qs], width, label=f"--mode {mode}")
+    series = [(f"{scen}_{mode}", f"{label}, --mode {mode}") for scen, label in (("cpu_bound", "4.8 MB"),
+                                                                               ("small", "small"))
+              for mode in ("inprocess", "pipeline") if raw.get(f"{scen}_{mode}", {}).get("latency_ms")]
+    width = 0.8 / max(1, len(series))
+    for k, (key, label) in enumerate(series):
+        lat = raw[key]["latency_ms"]
+        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(qs))]
+        ax2.bar(xs, [lat[q] for q in qs], width, label=label)
     ax2.set_xticks(range(len(qs)), qs)
     ax2.set_ylabel("ms, encode sent -> success at the receiver")
     ax2.set_title("Latency, one image in flight")
-    if ax2.get_legend_handles_labels()[0]:
-        ax2.legend()
+    if series:
+        ax2.legend(fontsize=8)
     ax2.grid(axis="y", alpha=0.3)
+    scenarios = [(scen, label) for scen, label in (("cpu_bound", "4.8 MB"), ("small", "small"),
+                                                   ("device_bound", "device-bound"), ("tiny_qwen", "tiny Qwen"))
+                 if any(raw.get(f"{scen}_{m}", {}).get("images_per_s") for m in ("inprocess", "pipeline"))]
+    for k, mode in enumerate(("inprocess", "pipeline")):
+        xs = [i + (k - 0.5) * 0.38 for i in range(len(scenarios))]
+        ax3.bar(xs, [raw.get(f"{scen}_{mode}", {}).get("images_per_s", 0.0) for scen, _ in scenarios], 0.38,
+                label=f"--mode {mode}")
+    ax3.set_xticks(range(len(scenarios)), [label for _, label in scenarios])
+    ax3.set_yscale("log")
+    ax3.set_ylabel("images/s (best trial)")
+    ax3.set_title("Throughput by scenario")
+    if scenarios:
+        ax3.legend()
+    ax3.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
@@ -82,7 +101,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="run.py bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
-                    help="the benchmarks' quick sizes and a shorter load sweep (about 10 minutes on 2 cores)")
+                    help="the benchmarks' quick sizes and a shorter load sweep (about 12 minutes on 2 cores)")
     ap.add_argument("--json", metavar="PATH", default="bench-results/bench.json",
                     help="where to write every figure (default: %(default)s); the plot goes to PATH with .png")
     ap.add_argument("--only", default=",".join(PARTS),
@@ -101,7 +120,7 @@ def main(argv=None) -> int:
     failures = []
     quick = ["--quick"] if args.quick else []
     extra = {"ring": quick, "transfer": quick,
-             "pipeline": quick + ["--scenarios", "cpu,device,tiny,load"]
+             "pipeline": quick + ["--scenarios", PIPELINE_SCENARIOS]
              + (["--load-windows", "1,4,16,64"] if args.quick else [])}
     for name in PARTS:
         if name in parts:

@@ -1,13 +1,21 @@
 #!/usr/bin/env python3
-"""sender_vs_raw_mooncake: embeddings/s through the sender ÷ raw Mooncake writes, same engines.
+"""sender_vs_raw_mooncake_windowed: embeddings/s through the sender ÷ raw Mooncake writes
+kept in flight with the same window, same engines.
 
 The worker runs in this process (in-process mode, sim tower, hidden 3584 bfloat16,
 256 rows = 1.8 MB per item); the receiver runs in a child process, as a prefill
 rank would. The cache is warmed with one image and every room then asks for that
 image, so what is measured is the sender's path: alloc in, validation, write,
-status out (alloc to success status, a window of allocs in flight). The baseline
-writes the same payload, from the same arena, to the same receive buffers with
-raw `transfer_sync_write` calls on the same engine pair, in the same run.
+status out (alloc to success status, a window of allocs in flight). The baselines
+write the same payload, from the same arena, to the same receive buffers on the
+same engine pair, in the same run, with the worker's loop stopped:
+
+- windowed (the target's baseline): `window` writes kept in flight, two ways, the
+  faster counts: a sliding window of single-write batches
+  (`transfer_submit_write`, polled with `transfer_check_status`, refilled as each
+  ends: what ipc/transport.py does), and async batches of `window` writes
+  (`batch_transfer_async_write`, then `get_batch_transfer_status`, which waits);
+- serial `transfer_sync_write` (the old baseline, printed as sender_vs_raw_mooncake).
 
     .venv/bin/python benchmarks/transfer.py --quick --json /tmp/transfer.json
 """
@@ -33,6 +41,46 @@ from pipeline.running import Running, free_port  # noqa: E402
 HIDDEN, SPAN, DTYPE = 3584, 256, "bfloat16"
 ITEM_BYTES = SPAN * HIDDEN * 2
 GRID = (1, 32, 32)  # 1024 patches -> 256 rows
+TARGET = 0.9
+
+
+def raw_sliding_window(te, session: str, src: int, dsts: list[int], window: int) -> float:
+    """Seconds for every write, `window` single-write batches kept in flight."""
+    inflight: list[int] = []
+    k = 0
+    t0 = time.perf_counter()
+    while k < len(dsts) or inflight:
+        while len(inflight) < window and k < len(dsts):
+            bid = te.transfer_submit_write(session, src, dsts[k], ITEM_BYTES)
+            if not 0 < bid < (1 << 63):
+                raise RuntimeError(f"raw transfer_submit_write failed: {bid}")
+            inflight.append(bid)
+            k += 1
+        still = []
+        for bid in inflight:
+            st = te.transfer_check_status(bid)  # frees the batch once it is 1 or -1
+            if st == 0:
+                still.append(bid)
+            elif st != 1:
+                raise RuntimeError(f"raw write failed: status {st}")
+        if len(still) == len(inflight):
+            time.sleep(50e-6)  # leave the core to Mooncake's threads, as ipc/transport.py does
+        inflight = still
+    return time.perf_counter() - t0
+
+
+def raw_async_batches(te, session: str, src: int, dsts: list[int], window: int) -> float:
+    """Seconds for every write, in async batches of `window` writes, each waited for."""
+    t0 = time.perf_counter()
+    for k in range(0, len(dsts), window):
+        part = dsts[k:k + window]
+        bid = te.batch_transfer_async_write(session, [src] * len(part), part, [ITEM_BYTES] * len(part))
+        if not 0 < bid < (1 << 63):
+            raise RuntimeError(f"raw batch_transfer_async_write failed: {bid}")
+        rc = te.get_batch_transfer_status([bid])
+        if rc != 0:
+            raise RuntimeError(f"raw batch of writes failed: {rc}")
+    return time.perf_counter() - t0
 
 
 
@@ -103,12 +151,15 @@ def main() -> int:
         te = w.worker.env.engine._te
         w.stop.set()  # the worker loop is idle from here; keep it off the GIL
         w.thread.join(10)
+        dsts = [address + regions[k % len(regions)] for k in range(n)]
         t0 = time.perf_counter()
         for k in range(n):
-            rc = te.transfer_sync_write(session, src, address + regions[k % len(regions)], ITEM_BYTES)
+            rc = te.transfer_sync_write(session, src, dsts[k], ITEM_BYTES)
             if rc != 0:
                 raise RuntimeError(f"raw transfer_sync_write failed: {rc}")
         raw_s = time.perf_counter() - t0
+        sliding_s = raw_sliding_window(te, session, src, dsts, args.window)
+        batch_s = raw_async_batches(te, session, src, dsts, args.window)
         parent.send("bye")
         rx.join(30)
         client.close()
@@ -118,17 +169,31 @@ def main() -> int:
         w.close()
         shm.sweep(prefix)
     sender_rate, raw_rate = n / sender_s, n / raw_s
+    sliding_rate, batch_rate = n / sliding_s, n / batch_s
+    windowed = max(sliding_rate, batch_rate)
+    ratio = sender_rate / windowed
     result = {
         "items": n, "item_bytes": ITEM_BYTES, "window": args.window,
         "sender_items_per_s": sender_rate, "raw_items_per_s": raw_rate,
+        "raw_sliding_window_items_per_s": sliding_rate, "raw_async_batches_items_per_s": batch_rate,
+        "raw_windowed_items_per_s": windowed,
+        "sender_vs_raw_mooncake_windowed": ratio,
         "sender_vs_raw_mooncake": sender_rate / raw_rate,
+        "targets": {"sender_vs_raw_mooncake_windowed": f">= {TARGET}"},
+        "targets_met": {"sender_vs_raw_mooncake_windowed": ratio >= TARGET},
         "failed_rooms": failed, "violations": len(violations),
     }
-    print(f"sender: {n} items of {ITEM_BYTES / 1e6:.2f} MB, alloc to success status, window "
-          f"{args.window}: {sender_rate:.0f} items/s ({sender_rate * ITEM_BYTES / 1e6:.0f} MB/s)")
-    print(f"raw transfer_sync_write, same engines and buffers: {raw_rate:.0f} items/s "
-          f"({raw_rate * ITEM_BYTES / 1e6:.0f} MB/s)")
-    print(f"sender_vs_raw_mooncake = {result['sender_vs_raw_mooncake']:.2f}  (target >= 0.8)")
+    mb = ITEM_BYTES / 1e6
+    print(f"sender: {n} items of {mb:.2f} MB, alloc to success status, window "
+          f"{args.window}: {sender_rate:.0f} items/s ({sender_rate * mb:.0f} MB/s)")
+    print(f"raw, same engines and buffers, {args.window} writes in flight: sliding window of "
+          f"transfer_submit_write {sliding_rate:.0f} items/s ({sliding_rate * mb:.0f} MB/s); "
+          f"batch_transfer_async_write of {args.window} {batch_rate:.0f} items/s ({batch_rate * mb:.0f} MB/s)")
+    print(f"raw transfer_sync_write, one at a time: {raw_rate:.0f} items/s ({raw_rate * mb:.0f} MB/s)")
+    print(f"sender_vs_raw_mooncake_windowed = {sender_rate:.0f} / {windowed:.0f} = {ratio:.2f}  "
+          f"(target >= {TARGET}: {'met' if ratio >= TARGET else 'MISSED'})")
+    print(f"sender_vs_raw_mooncake = {result['sender_vs_raw_mooncake']:.2f}  (against serial writes; "
+          f"the old target >= 0.8)")
     if failed or violations:
         print(f"FAILED rooms: {failed}, violations: {violations}")
     if args.json:

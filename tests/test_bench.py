@@ -2,9 +2,14 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 
 import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Loaded by path: putting benchmarks/ on sys.path would let benchmarks/pipeline.py
 # shadow the pipeline package for every later test in this process.
@@ -18,7 +23,11 @@ def test_plot_writes_a_png_of_both_modes(tmp_path):
     lat = lambda base: {"p50": base, "p90": base + 1, "p99": base + 3}
     results = {"pipeline": {
         "load": {"windows": [1, 4, 16], "inprocess": [200.0, 350.0, 420.0], "pipeline": [150.0, 330.0, 440.0]},
-        "raw": {"cpu_bound_inprocess": {"latency_ms": lat(4.0)}, "cpu_bound_pipeline": {"latency_ms": lat(5.0)}},
+        "raw": {"cpu_bound_inprocess": {"latency_ms": lat(4.0), "images_per_s": 450.0},
+                "cpu_bound_pipeline": {"latency_ms": lat(5.0), "images_per_s": 400.0},
+                "small_inprocess": {"latency_ms": lat(1.2), "images_per_s": 1500.0},
+                "small_pipeline": {"latency_ms": lat(2.5), "images_per_s": 1000.0},
+                "tiny_qwen_pipeline": {"images_per_s": 210.0}},
     }}
     png = tmp_path / "bench.png"
     bench.plot(results, str(png))
@@ -31,3 +40,32 @@ def test_unknown_part_is_refused(capsys):
         bench.main(["--only", "ring,nonsense"])
     assert e.value.code == 2
     assert "nonsense" in capsys.readouterr().err
+
+
+def test_run_py_bench_runs_the_small_scenario():
+    assert "small" in bench.PIPELINE_SCENARIOS.split(",")
+
+
+def test_gpu_bench_runs_its_logic_on_cpu(tmp_path):
+    """benchmarks/gpu.py --device cpu --tiny: the checkpoint of random weights, both
+    workers on it, the tower alone on the scheduler's batches, the ratios (not asserted)."""
+    out = tmp_path / "gpu.json"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu.py"), "--device", "cpu", "--tiny",
+                        "--images", "24", "--trials", "1", "--json", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["failed_rooms"] == 0 and r["violations"] == 0
+    for key in ("pipeline_vs_tower_alone", "inprocess_vs_tower_alone"):
+        assert r[key] > 0
+    assert "pipeline_vs_tower_alone = " in p.stdout
+
+
+def test_gpu_bench_refuses_without_cuda():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu.py")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert "no CUDA device" in p.stderr
