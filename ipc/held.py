@@ -1,0 +1,125 @@
+"""Allocs held for rooms not seen yet, in shared memory, so that they outlive the sender.
+
+PROTOCOL.md §4: an alloc for a room the worker has not seen is held for
+`bootstrap_timeout_s`, then answered `failed` ("unknown room"). The sender holds it;
+a sender SIGKILLed meanwhile would take it along, and its receiver would wait
+forever. So the sender writes each held alloc here, and its successor holds them
+again, with their first arrival times (CLOCK_MONOTONIC is the machine's, not the
+process's).
+
+One writer (the sender); the only reader is its successor, once the writer is dead.
+Each slot holds one alloc (msgpack, at most ``BODY`` bytes) and a generation number,
+0 while the slot is free: an alloc is written into a free slot, body first, and
+published by one aligned 8-byte store of its generation, so a writer killed at any
+instruction leaves every slot free or whole. Bounded by `max_held_allocs`.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import astuple
+from operator import index as _index
+
+import msgpack
+import numpy as np
+
+from . import shm
+from .wire import Alloc
+
+__all__ = ["HeldAllocs"]
+
+BODY = 1024  # an alloc's fields: a receiver id of MAX_ID_CHARS and a dozen numbers
+_HEAD = struct.Struct("<dH")  # held since (time.monotonic()), body length
+_SLOT = _HEAD.size + BODY
+_HDR = 64
+_MAGIC = 0x646C_6568_0000_0001  # "held", layout 1
+
+
+def _layout(capacity: int) -> tuple[int, int]:
+    """(offset of the slots, total size): header, generations u64[capacity], slots."""
+    slots = (_HDR + 8 * capacity + 63) // 64 * 64
+    return slots, slots + _SLOT * capacity
+
+
+class HeldAllocs:
+    @classmethod
+    def create(cls, prefix: str, run_id: str, what: str, capacity: int) -> "HeldAllocs":
+        capacity = _index(capacity)
+        if capacity < 1:
+            raise ValueError(f"held-alloc table capacity {capacity} must be >= 1")
+        seg = shm.Segment.create(shm.object_name(prefix, run_id, what), cls.size_of(capacity))
+        hdr = seg.buf[:_HDR].cast("Q")
+        hdr[1] = capacity
+        hdr[0] = _MAGIC  # last: attach refuses a half-made table
+        hdr.release()
+        return cls(seg)
+
+    @classmethod
+    def attach(cls, prefix: str, run_id: str, what: str) -> "HeldAllocs":
+        seg = shm.Segment.attach(shm.object_name(prefix, run_id, what))
+        try:
+            return cls(seg)
+        except BaseException:
+            seg.close()
+            raise
+
+    @staticmethod
+    def size_of(capacity: int) -> int:
+        return _layout(capacity)[1]
+
+    def __init__(self, seg: shm.Segment):
+        hdr = seg.buf[:_HDR].cast("Q")
+        magic, capacity = hdr[0], hdr[1]
+        hdr.release()
+        if magic != _MAGIC or seg.size < _layout(capacity)[1]:
+            raise shm.ShmError(f"{seg.name!r} is not an initialised held-alloc table")
+        self._seg = seg
+        self.capacity = capacity
+        self._slots0 = _layout(capacity)[0]
+        self._gens = np.frombuffer(seg.buf.obj, np.uint64, capacity, _HDR)
+        self._free: list[int] | None = None  # the writer's, built by load()
+        self._next_gen = 1
+
+    def load(self) -> list[tuple[int, float, Alloc]]:
+        """Every alloc held: (slot, held since, alloc). The writer calls it first."""
+        out = []
+        for slot in np.flatnonzero(self._gens).tolist():
+            at = self._slots0 + slot * _SLOT
+            since, n = _HEAD.unpack_from(self._seg.buf, at)
+            try:
+                out.append((slot, since, Alloc(*msgpack.unpackb(bytes(self._seg.buf[at + _HEAD.size:
+                                                                                     at + _HEAD.size + n])))))
+            except Exception:  # not ours to answer if it cannot be read: free it
+                self._gens[slot] = 0
+        used = {slot for slot, _, _ in out}
+        self._free = [s for s in range(self.capacity - 1, -1, -1) if s not in used]
+        self._next_gen = int(self._gens.max()) + 1
+        return out
+
+    def put(self, since: float, alloc: Alloc) -> int | None:
+        """Hold `alloc`; its slot, or None when every slot is taken (or it cannot fit)."""
+        if self._free is None:
+            self.load()
+        body = msgpack.packb(astuple(alloc))
+        if not self._free or len(body) > BODY:
+            return None
+        slot = self._free.pop()
+        at = self._slots0 + slot * _SLOT
+        _HEAD.pack_into(self._seg.buf, at, since, len(body))
+        self._seg.buf[at + _HEAD.size:at + _HEAD.size + len(body)] = body
+        self._gens[slot] = self._next_gen  # one aligned store publishes it
+        self._next_gen += 1
+        return slot
+
+    def remove(self, slot: int) -> None:
+        self._gens[slot] = 0
+        self._free.append(slot)
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(self._gens))
+
+    def close(self) -> None:
+        self._gens = None
+        self._seg.close()
+
+    def unlink(self) -> None:
+        self._seg.unlink()
