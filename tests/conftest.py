@@ -10,10 +10,16 @@ from hypothesis import HealthCheck, settings
 
 from ipc import shm
 
+# Profiles: `ci` (CI set: fixed examples, derandomized so a run is reproducible), `dev`
+# (the default: random), `stress` (pick it with --hypothesis-profile=stress: 20x dev's
+# examples, for a long soak; the state machines of test_protocol_model.py scale their
+# own, more expensive, examples down from these counts).
 settings.register_profile(
-    "ci", deadline=None, max_examples=50, suppress_health_check=[HealthCheck.too_slow]
+    "ci", deadline=None, max_examples=50, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("stress", deadline=None, max_examples=1000,
+                          suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 _counter = itertools.count()
