@@ -210,14 +210,15 @@ class Supervisor(Runtime):
         self.pending_restart[name] = now + 2.0
 
     def tell_reaper(self, record) -> bool:
+        # Into the ring whether or not the reaper is alive now: the ring outlives it, and a
+        # successor continues from it (a RoomsLost dropped here would leave rooms whose
+        # custody was just cleared live, held by nobody).
         (dest,) = wiring.outputs_of("supervisor")
-        proc = self.procs.get(dest)
-        if proc is None or not proc.is_alive():
-            return False
         if not self.rings[("supervisor", dest)].push(pickle.dumps(record, protocol=5), timeout=5.0):
             log.error("the %s's ring is full: could not deliver %s", dest, type(record).__name__)
             return False
-        return True
+        proc = self.procs.get(dest)
+        return proc is not None and proc.is_alive() or dest in self.pending_restart
 
     def heartbeat_ages(self) -> dict[str, float | None]:
         now = time.monotonic()
