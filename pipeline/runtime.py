@@ -39,8 +39,8 @@ class Runtime:
         self._objects = []
         self.lock = None
         shm.sweep(cfg.shm_prefix)
-        shm.require_free({"pixel arena": cfg.pixel_arena_bytes,
-                          "embedding arena": cfg.embedding_arena_bytes, **(needs or {})})
+        shm.require_free({"pixel arena": cfg.pixel_arena_bytes, "embedding arena": cfg.embedding_arena_bytes,
+                          "receiver and told tables": wiring.tables_bytes(cfg), **(needs or {})})
         self.lock = shm.RunLock(cfg.shm_prefix)
         self.run_id = self.lock.run_id
         try:

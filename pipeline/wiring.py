@@ -10,7 +10,9 @@ import os
 from dataclasses import dataclass
 
 from ipc.arena import Arena
+from ipc.receivers import ReceiverTable
 from ipc.rooms import RoomTable
+from ipc.told import ToldTable
 from pipeline import numa
 from pipeline.config import WorkerConfig
 
@@ -50,9 +52,11 @@ class Shared:
     pixel_arena: Arena
     emb_arena: Arena
     rooms: RoomTable
+    receivers: ReceiverTable  # registrations: written by the sender, read by it and the reaper
+    told: ToldTable           # statuses the reaper recorded before it sent them
 
     def close(self) -> None:
-        for obj in (self.pixel_arena, self.emb_arena, self.rooms):
+        for obj in (self.pixel_arena, self.emb_arena, self.rooms, self.receivers, self.told):
             obj.close()
 
 
@@ -93,8 +97,22 @@ def room_capacity(cfg: WorkerConfig) -> int:
     return cfg.max_live_rooms + cfg.max_tombstones + 64
 
 
+# Receivers told about one room, on average over the rooms remembered at once: a room
+# has one per shard of its items, typically 1 to 8.
+TOLD_PER_ROOM = 8
+
+
+def told_capacity(cfg: WorkerConfig) -> int:
+    return room_capacity(cfg) * TOLD_PER_ROOM
+
+
+def tables_bytes(cfg: WorkerConfig) -> int:
+    """/dev/shm taken by the receiver and told tables (for the start-up check)."""
+    return ReceiverTable.size_of() + ToldTable.size_of(told_capacity(cfg), cfg.max_items_per_request)
+
+
 def create_shared(cfg: WorkerConfig, run_id: str, own, placement: dict | None = None) -> Shared:
-    """Create the arenas and the room table; `own(obj)` takes each for cleanup.
+    """Create the arenas and the tables; `own(obj)` takes each for cleanup.
 
     With `placement` (stage -> CPUs), each arena is made on the CPUs of the stage that
     writes most into it: a page lands on the node of the CPU that first touches it
@@ -105,10 +123,13 @@ def create_shared(cfg: WorkerConfig, run_id: str, own, placement: dict | None = 
         pixel_arena = own(Arena.create(p, run_id, "pixels", cfg.pixel_arena_bytes))
     with numa.first_touch(placement.get("tower")):
         emb_arena = own(Arena.create(p, run_id, "emb", cfg.embedding_arena_bytes))
-    return Shared(pixel_arena, emb_arena, own(RoomTable.create(p, run_id, "rooms", room_capacity(cfg))))
+    return Shared(pixel_arena, emb_arena, own(RoomTable.create(p, run_id, "rooms", room_capacity(cfg))),
+                  own(ReceiverTable.create(p, run_id, "receivers")),
+                  own(ToldTable.create(p, run_id, "told", told_capacity(cfg), cfg.max_items_per_request)))
 
 
 def attach_shared(cfg: WorkerConfig, run_id: str) -> Shared:
     p = cfg.shm_prefix
     return Shared(Arena.attach(p, run_id, "pixels"), Arena.attach(p, run_id, "emb"),
-                  RoomTable.attach(p, run_id, "rooms"))
+                  RoomTable.attach(p, run_id, "rooms"), ReceiverTable.attach(p, run_id, "receivers"),
+                  ToldTable.attach(p, run_id, "told"))

@@ -3,7 +3,12 @@
 It is the one place that decides what each receiver hears, so that a receiver
 gets at most one terminal status per (room, item), never `success` after
 `failed`, and `failed` only once the sender has fenced the room (no write to the
-receiver's buffers is in flight or can start).
+receiver's buffers is in flight or can start). What it tells is recorded in shared
+memory (ipc/told.py) before it is sent, so a successor never tells it again; the
+registrations it sends to come from shared memory too (ipc/receivers.py).
+
+Its watchdog fails any room still live past its bound (`Reaper.bound_of`), whatever
+record was lost on the way: every room concludes.
 """
 from __future__ import annotations
 
@@ -11,19 +16,25 @@ import heapq
 import logging
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
 
+import numpy as np
 import zmq
 
+from ipc.receivers import ReceiverTable
 from ipc.rooms import RoomState, RoomTable, TableFull
+from ipc.told import ToldTable
 from ipc import wire
 from ipc.stats import Histogram, reason_class
+from ipc.wire import Register
 from stages.base import Stage
 from stages.records import (OWNER_REAPER, AllocSeen, Fence, Fenced, ItemDone, LateAlloc, Registered,
-                            ResendRegistrations, RoomAbandoned, RoomFailure, RoomOpened, RoomsLost,
-                            RoomSucceeded, SenderRestarted, ShardWritten, UnknownRoom)
+                            RoomAbandoned, RoomFailure, RoomOpened, RoomsLost, RoomSucceeded, ShardWritten,
+                            UnknownRoom)
 
 log = logging.getLogger("epd.reaper")
+
+WATCH_EVERY_S = 1.0
+RESTART_MARGIN_S = 5.0  # besides heartbeat_timeout_s: a dead or hung stage found, restarted, caught up
 
 
 class StatusPusher:
@@ -87,28 +98,24 @@ class StatusPusher:
         self.sockets.clear()
 
 
-@dataclass
-class _Told:
-    """What the receivers of one room have been told, and who has allocated for it."""
-    success: dict[str, set[int]] = field(default_factory=dict)
-    failed: set[str] = field(default_factory=set)
-    known: set[str] = field(default_factory=set)
-
-
 class Reaper:
-    def __init__(self, *, rooms: RoomTable, pusher: StatusPusher, fence, forget, abandon,
-                 tombstone_ttl_s: float, max_tombstones: int):
+    def __init__(self, *, rooms: RoomTable, told: ToldTable, pusher: StatusPusher, fence, forget, abandon,
+                 tombstone_ttl_s: float, max_tombstones: int, bootstrap_timeout_s: float,
+                 heartbeat_timeout_s: float):
         """`fence(room)` asks the sender to stop the room (it answers with a `fenced`
         event); `forget(room)` tells it the room succeeded; `abandon(room)` tells the
         stages that hold items waiting (cache, scheduler) to drop the room's."""
         self.rooms = rooms
+        self.told = told
         self.pusher = pusher
         self.fence = fence
         self.forget = forget
         self.abandon = abandon
         self.tombstone_ttl_s = tombstone_ttl_s
         self.max_tombstones = max_tombstones
-        self.told: dict[int, _Told] = {}
+        self.bootstrap_timeout_s = bootstrap_timeout_s
+        self.restart_margin_s = heartbeat_timeout_s + RESTART_MARGIN_S
+        self.allocated: dict[int, set[str]] = {}  # receivers known to have allocated for a room
         self.reasons: dict[int, str] = {}        # failed rooms awaiting their fence
         self.deadlines: list[tuple[float, int, int]] = []
         self.tombstones: OrderedDict[int, tuple[float, int]] = OrderedDict()  # room -> (concluded, slot)
@@ -118,12 +125,13 @@ class Reaper:
         self.concluded_by_reason = Counter()  # (outcome, reason class) -> rooms
         self.latency = Histogram()            # room opened to concluded, seconds
         self.to_mark: list[tuple[int, int, str]] = []  # (slot, room, reason): fenced, not yet Failed in the table
+        self.unrecorded = 0  # statuses sent without a record (the told table was full)
+        self._watch_at = 0.0
 
     # ------------------------------------------------------------ inputs
     def on_opened(self, o: RoomOpened) -> None:
-        # Kept, not reset: an alloc_seen may have overtaken the room, or a receiver been
-        # told "unknown room" (it must not hear about the room again).
-        self.told.setdefault(o.room, _Told())
+        # What was told is kept, not reset: a receiver told "unknown room" must not hear
+        # about the room again.
         self.tombstones.pop(o.room, None)  # only an unknown room's can be there
         if o.deadline:
             heapq.heappush(self.deadlines, (o.deadline, o.slot, o.room))
@@ -135,12 +143,11 @@ class Reaper:
                 self.registrations[reg.receiver] = reg
                 self.pusher.register(reg.receiver, reg.status)
             case AllocSeen(room=room, receiver=receiver):
-                self.told.setdefault(room, _Told()).known.add(receiver)
+                self.allocated.setdefault(room, set()).add(receiver)
             case ShardWritten(room=room, item=item, receiver=receiver):
-                told = self.told.setdefault(room, _Told())
-                if receiver in told.failed or item in told.success.get(receiver, ()):
+                if self.told.told_failed(room, receiver) or self.told.told_success(room, item, receiver):
                     return
-                told.success.setdefault(receiver, set()).add(item)
+                self._recorded(self.told.record_success(room, item, receiver, time.monotonic()))
                 self.pusher.send(receiver, wire.status_message(room, item, True))
             case ItemDone(slot=slot, room=room, done=done_so_far):
                 # The count so far, not "one more": a successor handed the record its
@@ -175,8 +182,7 @@ class Reaper:
                 # Failed: the record it died with comes again and fences it again.
                 return
             reason = entry.reason if entry else "room failed"
-        told = self.told.get(room, _Told())
-        to = set(receivers) | told.known
+        to = set(receivers) | self.allocated.get(room, set())
         entry = self._entry(room)
         if not to and entry is not None and entry.created <= self.sender_died_at:
             # Allocs a dead sender had received were never acknowledged, so who sent
@@ -201,8 +207,7 @@ class Reaper:
             return
         else:
             reason = "room already concluded"
-        told = self.told.get(room)
-        if told is not None and (receiver in told.failed or receiver in told.success):
+        if self.told.told_anything(room, receiver):
             return
         self._tell_failed(room, receiver, reason)
 
@@ -242,6 +247,9 @@ class Reaper:
     # ------------------------------------------------------------ time
     def tick(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
+        if now >= self._watch_at:
+            self._watch_at = now + WATCH_EVERY_S
+            self.watch(now)
         while self.deadlines and self.deadlines[0][0] <= now:
             _, slot, room = heapq.heappop(self.deadlines)
             entry = self.rooms.get(slot)
@@ -256,7 +264,33 @@ class Reaper:
             self.tombstones.popitem(last=False)
             if slot is not None:
                 self.rooms.free(slot, room)
-            self.told.pop(room, None)
+            # After the table's entry: a reaper killed between the two leaves entries a
+            # successor keeps as an unknown room's tombstone, already expired.
+            self.told.forget(room)
+            self.allocated.pop(room, None)
+
+    def bound_of(self, entry) -> float:
+        """When a room must have concluded, whatever died: its deadline or the bootstrap
+        timeout, whichever is later, plus the time to find and restart a dead stage."""
+        return max(entry.deadline, entry.created + self.bootstrap_timeout_s) + self.restart_margin_s
+
+    def watch(self, now: float) -> None:
+        """Fail every live room past its bound: a record lost with a dead stage (or never
+        acted on) must not leave a room, and its receivers, waiting for ever."""
+        for entry in self._live_entries():
+            if now > self.bound_of(entry):
+                self.fail(RoomFailure(entry.slot, entry.room, (
+                    f"room watchdog: still live {now - entry.created:.0f} s after it arrived, past its bound "
+                    f"max(deadline, bootstrap_timeout_s {self.bootstrap_timeout_s:g} s) + "
+                    f"heartbeat_timeout_s + {RESTART_MARGIN_S:g} s ({self.restart_margin_s:g} s); "
+                    f"no stage was finishing it (a stage stuck, or a record lost with one that died)")))
+
+    def _live_entries(self) -> list:
+        # The table's state column, vectorised: reading every entry would cost the tens of
+        # thousands of tombstones (~0.5 s) each time.
+        states = self.rooms._active_states()
+        live = np.flatnonzero((states > RoomState.FREE) & (states < RoomState.SUCCESS)).tolist()
+        return [e for e in map(self.rooms.get, live) if e is not None and e.live]
 
     # ------------------------------------------------------------ helpers
     def _entry(self, room: int):
@@ -264,11 +298,17 @@ class Reaper:
         return self.rooms.get(slot) if slot is not None else None
 
     def _tell_failed(self, room: int, receiver: str, reason: str) -> None:
-        told = self.told.setdefault(room, _Told())
-        if receiver in told.failed:
+        if self.told.told_failed(room, receiver):
             return
-        told.failed.add(receiver)
+        self._recorded(self.told.record_failed(room, receiver, time.monotonic()))
         self.pusher.send(receiver, wire.status_message(room, None, False, reason))
+
+    def _recorded(self, ok: bool) -> None:
+        if not ok:
+            self.unrecorded += 1
+            if self.unrecorded & (self.unrecorded - 1) == 0:  # the 1st, 2nd, 4th...: not one per status
+                log.warning("the told table is full (%d entries): %d statuses sent without a record, "
+                            "which a restarted reaper could repeat", self.told.capacity, self.unrecorded)
 
     def _concluded(self, room: int, slot: int, outcome: str, reason: str) -> None:
         self.outcomes[outcome] += 1
@@ -291,28 +331,34 @@ class ReaperStage(Stage):
     owner = OWNER_REAPER
     one_record_at_a_time = True  # a status sent cannot be taken back
 
-    def __init__(self, emit, *, rooms: RoomTable, pusher: StatusPusher, tombstone_ttl_s: float,
-                 max_tombstones: int, custody=None):
+    def __init__(self, emit, *, rooms: RoomTable, told: ToldTable, receivers: ReceiverTable, pusher: StatusPusher,
+                 tombstone_ttl_s: float, max_tombstones: int, bootstrap_timeout_s: float,
+                 heartbeat_timeout_s: float, custody=None):
         super().__init__(emit, custody)
-        self.reaper = Reaper(rooms=rooms, pusher=pusher,
+        self.receivers = receivers
+        self.reaper = Reaper(rooms=rooms, told=told, pusher=pusher,
                              fence=lambda room: self.emit("sender", Fence(room)),
                              forget=lambda room: self.emit("sender", RoomSucceeded(room)),
                              abandon=self._abandon,
-                             tombstone_ttl_s=tombstone_ttl_s, max_tombstones=max_tombstones)
+                             tombstone_ttl_s=tombstone_ttl_s, max_tombstones=max_tombstones,
+                             bootstrap_timeout_s=bootstrap_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s)
 
     def start(self) -> None:
-        """Pick up deadlines and tombstones from the room table (a predecessor's, if any)."""
+        """Pick up what a predecessor (if any) left: deadlines and tombstones from the room
+        table, unknown rooms' tombstones from the told table, and the registrations."""
         r = self.reaper
         for e in r.rooms.entries():
             if e.state < RoomState.SUCCESS:
-                r.told.setdefault(e.room, _Told())
                 if e.deadline:
                     heapq.heappush(r.deadlines, (e.deadline, e.slot, e.room))
             else:
                 r.tombstones[e.room] = (e.concluded, e.slot)
+        for room, told_at in r.told.rooms().items():
+            if room not in r.tombstones and r.rooms.find(room) is None:
+                r.tombstones[room] = (told_at, None)
         r.tombstones = OrderedDict(sorted(r.tombstones.items(), key=lambda kv: kv[1][0]))
-        # The receivers' status endpoints died with a predecessor: the sender knows them.
-        self.emit("sender", ResendRegistrations())
+        for receiver, (session, status) in self.receivers.load().items():
+            r.on_event(Registered(Register(receiver, session, status)))
 
     def handle(self, source: str, rec) -> None:
         r = self.reaper
@@ -330,9 +376,6 @@ class ReaperStage(Stage):
                     if writes_gone:
                         # The sender's process is gone, and its writes with it: that is the fence.
                         r.on_event(Fenced(room, ()))
-            case SenderRestarted():
-                for reg in r.registrations.values():
-                    self.emit("sender", Registered(reg))
             case _:
                 r.on_event(rec)
 
@@ -341,7 +384,8 @@ class ReaperStage(Stage):
 
     def next_tick_in(self, now: float) -> float | None:
         r = self.reaper
-        return max(0.0, r.deadlines[0][0] - now) if r.deadlines else None
+        due = min(r.deadlines[0][0], r._watch_at) if r.deadlines else r._watch_at
+        return max(0.0, due - now)
 
     def pushed(self) -> None:
         self.reaper.mark_failed()
@@ -353,6 +397,7 @@ class ReaperStage(Stage):
     def stats(self) -> dict:
         r = self.reaper
         return {"rooms": dict(r.outcomes), "status_undelivered": r.pusher.undelivered,
+                "status_unrecorded": r.unrecorded,
                 "rooms_concluded": dict(r.concluded_by_reason), "room_latency_seconds": r.latency.snapshot()}
 
     def close(self) -> None:
@@ -360,7 +405,9 @@ class ReaperStage(Stage):
 
 
 def build(env, emit, custody) -> ReaperStage:
-    cfg = env.cfg
-    return ReaperStage(emit, rooms=env.shared.rooms, pusher=StatusPusher(env.zmq_context, cfg.status_hwm),
+    cfg, sh = env.cfg, env.shared
+    return ReaperStage(emit, rooms=sh.rooms, told=sh.told, receivers=sh.receivers,
+                       pusher=StatusPusher(env.zmq_context, cfg.status_hwm),
                        tombstone_ttl_s=cfg.tombstone_ttl_s, max_tombstones=cfg.max_tombstones,
+                       bootstrap_timeout_s=cfg.bootstrap_timeout_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s,
                        custody=custody)

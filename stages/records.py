@@ -24,16 +24,13 @@ values travel through an in-memory queue (one process) or a shared-memory ring
 | RoomFailure | scheduler | reaper | pixels lost before scheduling |
 | RoomFailure | tower | reaper | pixels or output space lost |
 | RoomFailure | sender | reaper | a bad alloc, a failed write, a cancel, a bootstrap timeout |
-| Registered | sender | reaper | a receiver (re)registered: its status endpoint |
-| Registered | reaper | sender | registrations again, for a restarted sender |
-| SenderRestarted | sender | reaper | a new sender process: it needs the registrations again |
+| Registered | sender | reaper | a receiver (re)registered (already in the receiver table): its status endpoint |
 | AllocSeen | sender | reaper | a receiver's first alloc for a live room (it must hear how the room ends) |
 | ShardWritten | sender | reaper | one receiver's rows of an item are written: tell it `success` |
 | ItemDone | sender | reaper | every shard of an item is written, and how many of the room's items are |
 | Fenced | sender | reaper | no write for the room is in flight or can start: tell its receivers `failed` |
 | LateAlloc | sender | reaper | an alloc for a room that is already concluded |
 | UnknownRoom | sender | reaper | an alloc for a room never seen, timed out or refused |
-| ResendRegistrations | reaper | sender | a new reaper process: it needs the registrations again |
 | Fence | reaper | sender | the room failed: stop its writes and answer `Fenced` |
 | RoomSucceeded | reaper | sender | the room succeeded: drop what is left of it |
 | RoomAbandoned | reaper | cache, scheduler | the room failed: drop its items that wait |
@@ -137,11 +134,6 @@ class Registered:
 
 
 @dataclass(frozen=True, slots=True)
-class SenderRestarted:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
 class AllocSeen:
     room: int
     receiver: str
@@ -179,11 +171,6 @@ class UnknownRoom:
     room: int
     receiver: str
     reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class ResendRegistrations:
-    pass
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,14 +14,15 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from ipc.arena import Arena, StaleLease
+from ipc.receivers import MAX_RECEIVERS, ReceiverTable
 from ipc.rooms import RoomState, RoomTable
 from ipc import wire
 from ipc.stats import Histogram
 from ipc.wire import Alloc, Cancel, ProtocolError, Register
 from stages.base import POLL_S, Stage
 from stages.records import (OWNER_CACHE, OWNER_SENDER, OWNER_TOWER, AllocSeen, Fence, Fenced, ItemDone, LateAlloc,
-                            ReadyItem, Registered, ResendRegistrations, RoomFailure, RoomOpened, RoomSucceeded,
-                            SenderRestarted, ShardWritten, UnknownRoom)
+                            ReadyItem, Registered, RoomFailure, RoomOpened, RoomSucceeded, ShardWritten,
+                            UnknownRoom)
 
 log = logging.getLogger("epd.sender")
 
@@ -55,23 +56,25 @@ class _RoomTx:
     done: int = 0  # items written to every receiver
 
 
-MAX_RECEIVERS = 4096  # prefill ranks one worker serves: a deployment has far fewer
 MAX_FENCED_UNOPENED = 65536  # a RoomOpened trails its fence by a ring's length at most
 
 
 class Sender:
-    def __init__(self, *, arena: Arena, engine, rooms: RoomTable, hidden: int, dtype: str,
-                 deepstack_width: int, bootstrap_timeout_s: float, max_held_allocs: int):
+    def __init__(self, *, arena: Arena, engine, rooms: RoomTable, registrations: ReceiverTable, hidden: int,
+                 dtype: str, deepstack_width: int, bootstrap_timeout_s: float, max_held_allocs: int):
         self.arena = arena
         self.engine = engine
         self.rooms = rooms
+        self.registrations = registrations
         self.hidden = hidden
         self.dtype = dtype
         self.deepstack_width = deepstack_width
         self.itemsize = wire.DTYPES[dtype]
         self.bootstrap_timeout_s = bootstrap_timeout_s
         self.max_held_allocs = max_held_allocs
-        self.receivers: dict[str, Register] = {}
+        # A predecessor's registrations, if there was one: they outlive both it and the reaper.
+        self.receivers = {rx: Register(rx, session, status)
+                          for rx, (session, status) in registrations.load().items()}
         self.live: dict[int, _RoomTx] = {}
         self.held: dict[int, list[tuple[float, Alloc]]] = {}  # allocs for rooms not opened here yet
         self.early: dict[int, list[ReadyItem]] = {}  # items that overtook their room's RoomOpened
@@ -104,6 +107,9 @@ class Sender:
                 # the bootstrap socket must not be able to grow that without end.
                 self._drop(f"register: {MAX_RECEIVERS} receivers are registered already")
                 return
+            # In shared memory before anyone hears of it, so a restarted sender or reaper
+            # knows every receiver that may send an alloc or wait for a status.
+            self.registrations.put(m.receiver, m.session, m.status)
             self.receivers[m.receiver] = m
             self.events.append(Registered(m))
         elif m.receiver not in self.receivers:
@@ -442,10 +448,6 @@ class SenderStage(Stage):
         # register/alloc/cancel are a few hundred bytes
         return (self.endpoint, 1 << 20) if self.endpoint else None
 
-    def start(self) -> None:
-        # Registrations lived in a predecessor's memory, if there was one: the reaper has them.
-        self.emit("reaper", SenderRestarted())
-
     def handle(self, source: str, rec) -> None:
         s = self.sender
         match rec:
@@ -473,10 +475,6 @@ class SenderStage(Stage):
                 s.forget(room)
                 if tx is not None:
                     self.custody.release(tx.slot, room)
-            case Registered(registration=reg):
-                s.receivers[reg.receiver] = reg
-            case ResendRegistrations():
-                s.events.extend(Registered(reg) for reg in s.receivers.values())
             case _:
                 raise ValueError(f"sender: unexpected record from {source}: {rec!r}")
         self._flush_events()
@@ -514,7 +512,7 @@ class SenderStage(Stage):
 
 def build(env, emit, custody) -> SenderStage:
     cfg, spec, sh = env.cfg, env.spec, env.shared
-    sender = Sender(arena=sh.emb_arena, engine=env.engine, rooms=sh.rooms, hidden=spec.hidden,
-                    dtype=spec.dtype, deepstack_width=spec.deepstack_width,
+    sender = Sender(arena=sh.emb_arena, engine=env.engine, rooms=sh.rooms, registrations=sh.receivers,
+                    hidden=spec.hidden, dtype=spec.dtype, deepstack_width=spec.deepstack_width,
                     bootstrap_timeout_s=cfg.bootstrap_timeout_s, max_held_allocs=cfg.max_held_allocs)
     return SenderStage(emit, sender, custody, endpoint=cfg.bootstrap)

@@ -4,7 +4,9 @@ from __future__ import annotations
 import pytest
 
 from ipc import shm
+from ipc.receivers import ReceiverTable
 from ipc.rooms import RoomState, RoomTable
+from ipc.told import ToldTable
 from ipc import wire
 from stages.reaper import ReaperStage
 from stages.records import (OWNER_INTAKE, AllocSeen, Fence, Fenced, ItemDone, RoomAbandoned, RoomFailure, RoomOpened,
@@ -31,22 +33,39 @@ class RecordingPusher:
 
 
 @pytest.fixture
-def rooms(shm_prefix):
-    table = RoomTable.create(shm_prefix, shm.new_run_id(), "rooms", 16)
+def tables(shm_prefix):
+    """The shared tables a reaper and its successors use: rooms, told, receivers."""
+    run_id = shm.new_run_id()
+    made = [RoomTable.create(shm_prefix, run_id, "rooms", 16), ToldTable.create(shm_prefix, run_id, "told", 64, 8),
+            ReceiverTable.create(shm_prefix, run_id, "receivers", 8)]
     try:
-        yield table
+        yield made
     finally:
-        table.close()
-        table.unlink()
+        for table in made:
+            table.close()
+            table.unlink()
 
 
 @pytest.fixture
-def reaper(rooms):
+def rooms(tables):
+    return tables[0]
+
+
+def make_reaper(tables, **over):
+    """A reaper stage on `tables`, as a stage host builds one: (stage, pusher, what it emitted)."""
+    rooms, told, receivers = tables
+    pusher, emitted = RecordingPusher(), []
+    settings = dict(tombstone_ttl_s=60.0, max_tombstones=16, bootstrap_timeout_s=60.0, heartbeat_timeout_s=1.0)
+    stage = ReaperStage(lambda dest, rec: emitted.append((dest, rec)), rooms=rooms, told=told, receivers=receivers,
+                        pusher=pusher, **{**settings, **over})
+    stage.start()
+    return stage, pusher, emitted
+
+
+@pytest.fixture
+def reaper(tables, rooms):
     """A reaper with a room of two items open; (stage, pusher, slot, what it emitted)."""
-    pusher = RecordingPusher()
-    emitted = []
-    stage = ReaperStage(lambda dest, rec: emitted.append((dest, rec)), rooms=rooms, pusher=pusher,
-                        tombstone_ttl_s=60.0, max_tombstones=16)
+    stage, pusher, emitted = make_reaper(tables)
     slot = rooms.insert(ROOM, "req-7", 2, OWNER_INTAKE)
     feed(stage, "intake", RoomOpened(slot, ROOM, "req-7", [4, 4], 0.0))
     feed(stage, "sender", AllocSeen(ROOM, RECEIVER))
@@ -101,18 +120,14 @@ def test_cancel_before_the_last_success_fails_the_room(reaper, rooms):
     assert stage.reaper.outcomes == {"failed": 1}
 
 
-def successor(rooms):
-    """A restarted reaper on the same room table, as the stage host builds one."""
-    pusher, emitted = RecordingPusher(), []
-    stage = ReaperStage(lambda dest, rec: emitted.append((dest, rec)), rooms=rooms, pusher=pusher,
-                        tombstone_ttl_s=60.0, max_tombstones=16)
-    stage.start()
-    return stage, pusher, emitted
+def successor(tables):
+    """A restarted reaper on the same shared tables, as the stage host builds one."""
+    return make_reaper(tables)
 
 
 @pytest.mark.parametrize("died", ["before its orders were pushed", "after its orders were pushed",
                                   "after the room table said Failed"])
-def test_a_reaper_killed_while_failing_a_room_leaves_its_successor_to_tell_the_receivers(reaper, rooms, died):
+def test_a_reaper_killed_while_failing_a_room_leaves_its_successor_to_tell_the_receivers(reaper, tables, rooms, died):
     """The record a reaper dies with comes again to its successor (it is released only
     after what it caused is pushed). Wherever the predecessor died, the receivers hear
     `failed` exactly once, and the cache and scheduler are told to drop the room."""
@@ -126,7 +141,7 @@ def test_a_reaper_killed_while_failing_a_room_leaves_its_successor_to_tell_the_r
     else:
         assert rooms.get(slot).live, "the table says Failed only once the fence is out"
 
-    nxt, heard, emitted = successor(rooms)
+    nxt, heard, emitted = successor(tables)
     if fence_out:  # the sender's answer to the predecessor's fence may come first
         feed(nxt, "sender", Fenced(ROOM, (RECEIVER,)))
     feed(nxt, "cache", failure)  # the same record again
@@ -141,13 +156,13 @@ def test_a_reaper_killed_while_failing_a_room_leaves_its_successor_to_tell_the_r
     nxt.close()
 
 
-def test_an_item_done_handled_again_by_a_successor_does_not_end_the_room_early(reaper, rooms):
+def test_an_item_done_handled_again_by_a_successor_does_not_end_the_room_early(reaper, tables, rooms):
     """A reaper killed after counting an item but before releasing the record: its
     successor gets the same record. Counted as "one more", the room would have
     succeeded with its second item still unwritten."""
     stage, pusher, slot, _ = reaper
     finish_item(stage, slot, 0)
-    nxt, heard, emitted = successor(rooms)
+    nxt, heard, emitted = successor(tables)
     feed(nxt, "sender", ItemDone(slot, ROOM, 0, 1))  # the same record again
     assert rooms.get(slot).live and rooms.get(slot).items_done == 1
     assert ("sender", RoomSucceeded(ROOM)) not in emitted

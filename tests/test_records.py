@@ -16,12 +16,10 @@ from pipeline.host import QueueChannel
 from pipeline.receiver import Receiver
 from tests.helpers import image, sim_config, start_worker
 
-# Routes only a stage's death takes (or a restart after registrations exist): the
-# pipeline's fault tests and the chaos soak take them.
+# Routes only a stage's death takes: the pipeline's fault tests and the chaos soak take them.
 ON_DEATH_ONLY = {
     ("RoomFailure", "scheduler", "reaper"),  # pixels lost before scheduling
     ("RoomFailure", "tower", "reaper"),      # pixels or output space lost
-    ("Registered", "reaper", "sender"),      # registrations again, for a restarted sender
 }
 # Taken when the embedding arena runs short (tests/test_worker.py's give-back test).
 ON_SHORTAGE_ONLY = {("SpaceWanted", "scheduler", "cache")}

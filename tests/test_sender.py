@@ -7,6 +7,7 @@ import pytest
 
 from ipc import shm
 from ipc.arena import Arena
+from ipc.receivers import ReceiverTable
 from ipc.rooms import RoomTable
 from stages.records import OWNER_INTAKE, Fenced, LateAlloc, RoomOpened
 from stages.sender import Sender
@@ -19,14 +20,16 @@ def sender(shm_prefix):
     run_id = shm.new_run_id()
     arena = Arena.create(shm_prefix, run_id, "emb", 64 * 1024, block_size=64)
     rooms = RoomTable.create(shm_prefix, run_id, "rooms", 16)
+    receivers = ReceiverTable.create(shm_prefix, run_id, "receivers", 8)
     # No write is started here, so no transfer engine is needed.
-    s = Sender(arena=arena, engine=None, rooms=rooms, hidden=8, dtype="bfloat16", deepstack_width=0,
-               bootstrap_timeout_s=60.0, max_held_allocs=16)
+    s = Sender(arena=arena, engine=None, rooms=rooms, registrations=receivers, hidden=8, dtype="bfloat16",
+               deepstack_width=0, bootstrap_timeout_s=60.0, max_held_allocs=16)
     try:
         yield s, rooms
     finally:
-        rooms.close()
-        rooms.unlink()
+        for table in (rooms, receivers):
+            table.close()
+            table.unlink()
         arena.close()
         arena.unlink()
 

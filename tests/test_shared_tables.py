@@ -1,0 +1,265 @@
+"""ipc.receivers and ipc.told: state that outlives a stage, whole after a writer killed anywhere."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from ipc import receivers as receivers_mod
+from ipc import shm
+from ipc import told as told_mod
+from ipc.receivers import ReceiverTable, TableFull
+from ipc.told import ToldTable
+from ipc.wire import MAX_ID_CHARS
+from tests.helpers import fork_call, wait_child
+
+
+@pytest.fixture
+def make(shm_prefix):
+    made = []
+
+    def make(cls, *args):
+        run_id = shm.new_run_id()
+        t = cls.create(shm_prefix, run_id, "t", *args)
+        t.run_id = run_id
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.close()
+        t.unlink()
+
+
+# -- receivers -------------------------------------------------------------------------
+
+
+def test_registrations_are_replaced_and_read_back_by_another_process_view(make, shm_prefix):
+    t = make(ReceiverTable, 3)
+    t.put("rx-0", "host:1", "tcp://h:1")
+    t.put("rx-1", "host:2", "tcp://h:2")
+    t.put("rx-0", "host:3", "tcp://h:3")  # a restarted receiver: the spare slot, then the old one freed
+    other = ReceiverTable.attach(shm_prefix, t.run_id, "t", readonly=True)
+    try:
+        assert other.load() == {"rx-0": ("host:3", "tcp://h:3"), "rx-1": ("host:2", "tcp://h:2")}
+    finally:
+        other.close()
+    t.put("rx-2", "host:4", "tcp://h:4")
+    with pytest.raises(TableFull):
+        t.put("rx-3", "host:5", "tcp://h:5")
+    longest = "é" * MAX_ID_CHARS  # two UTF-8 bytes each; four-byte characters fit too
+    t2 = make(ReceiverTable, 2)
+    t2.put(longest, "🙂" * MAX_ID_CHARS, "ipc://x")
+    assert t2.load() == {longest: ("🙂" * MAX_ID_CHARS, "ipc://x")}
+
+
+def test_a_writer_killed_between_publishing_and_freeing_leaves_the_newer_registration(make, shm_prefix):
+    t = make(ReceiverTable, 3)
+    t.put("rx", "old:1", "tcp://old:1")
+
+    def child():
+        def die(point):
+            if point == "receivers.published":
+                os.kill(os.getpid(), signal.SIGKILL)
+        receivers_mod._fault_hook = die
+        t.put("rx", "new:1", "tcp://new:1")
+
+    assert wait_child(fork_call(child)) == -signal.SIGKILL
+    successor = ReceiverTable.attach(shm_prefix, t.run_id, "t")
+    try:
+        assert successor.load() == {"rx": ("new:1", "tcp://new:1")}
+        successor.put("rx-2", "b:1", "tcp://b:1")  # frees the stale copy first: room for both
+        assert successor.load() == {"rx": ("new:1", "tcp://new:1"), "rx-2": ("b:1", "tcp://b:1")}
+    finally:
+        successor.close()
+
+
+def _registration_ops(seed: int, n: int):
+    rng = random.Random(seed)
+    for k in range(n):
+        rx = f"rx-{rng.randrange(6)}"
+        yield rx, f"host-{k}:{rng.randrange(1 << 16)}", f"tcp://h{k}:{rng.randrange(1, 1 << 16)}"
+
+
+def _register_forever(prefix: str, run_id: str, seed: int, ready_fd: int) -> None:
+    t = ReceiverTable.attach(prefix, run_id, "t")
+    os.write(ready_fd, b"r")
+    for op in _registration_ops(seed, 10**9):
+        t.put(*op)
+
+
+@pytest.mark.timeout(120)
+def test_receiver_table_writer_killed_at_random_moments(make, shm_prefix):
+    """Readers see each registration whole while the writer runs, and after a SIGKILL the
+    table is the state after some prefix of the writer's registrations."""
+    seed = int(os.environ.get("TABLES_KILL_SEED", random.randrange(2**32)))
+    print(f"TABLES_KILL_SEED={seed}")
+    rng = random.Random(seed)
+    t = make(ReceiverTable, 8)
+    r, w = os.pipe()
+    replayed = 0
+    try:
+        for _ in range(30):
+            before = t.load()
+            child_seed = rng.randrange(2**32)
+            pid = fork_call(_register_forever, shm_prefix, t.run_id, child_seed, w)
+            try:
+                assert os.read(r, 1) == b"r"
+                end = time.monotonic() + rng.uniform(0, 0.01)
+                while time.monotonic() < end:
+                    for rx, (session, status) in t.load().items():  # whole: the fields agree
+                        k = session.split("-")[1].split(":")[0]
+                        assert status.startswith(f"tcp://h{k}:"), (rx, session, status)
+            finally:
+                os.kill(pid, signal.SIGKILL)
+                assert wait_child(pid) == -signal.SIGKILL
+            got = ReceiverTable.attach(shm_prefix, t.run_id, "t")
+            try:
+                after = got.load()
+                state, ops = dict(before), _registration_ops(child_seed, 10**9)
+                while state != after and replayed < 10**6:
+                    rx, session, status = next(ops)
+                    state[rx] = (session, status)
+                    replayed += 1
+                assert state == after, f"the table matches no prefix of the writer's registrations ({child_seed})"
+            finally:
+                got.close()
+    finally:
+        os.close(r)
+        os.close(w)
+    assert replayed, "the writer never got to write"
+
+
+# -- told ------------------------------------------------------------------------------
+
+
+def test_told_records_and_forgets(make, shm_prefix):
+    t = make(ToldTable, 3, 16)
+    assert t.record_success(7, 0, "rx", 1.0) and t.record_success(7, 9, "rx", 2.0)
+    assert t.record_failed(7, "ry", 3.0) and t.record_failed(7, "rx", 4.0)
+    assert t.told_success(7, 9, "rx") and not t.told_success(7, 1, "rx") and not t.told_success(7, 9, "ry")
+    assert t.told_failed(7, "rx") and t.told_failed(7, "ry") and t.told_anything(7, "ry")
+    assert not t.told_anything(8, "rx") and not t.record_success(7, 16, "rx", 5.0)  # beyond max_items
+    assert t.record_failed(8, "rx", 5.0)
+    assert not t.record_failed(9, "rx", 6.0), "full: the caller counts an unrecorded status"
+    successor = ToldTable.attach(shm_prefix, t.run_id, "t")
+    try:
+        assert successor.rooms() == {7: 1.0, 8: 5.0}
+        assert successor.told_success(7, 9, "rx") and successor.told_failed(7, "ry")
+        successor.forget(7)
+        assert not successor.told_anything(7, "rx") and successor.used() == 1
+        assert successor.record_failed(9, "rx", 6.0) and successor.record_failed(10, "rx", 7.0)
+    finally:
+        successor.close()
+
+
+def _told_ops(seed: int, n: int):
+    rng = random.Random(seed)
+    for _ in range(n):
+        room, rx = rng.randrange(5), f"rx-{rng.randrange(3)}"
+        kind = rng.random()
+        if kind < 0.15:
+            yield "forget", room, None, rx
+        elif kind < 0.5:
+            yield "failed", room, None, rx
+        else:
+            yield "success", room, rng.randrange(12), rx
+
+
+def _apply(state: dict, op) -> None:
+    kind, room, item, rx = op
+    if kind == "forget":
+        for key in [k for k in state if k[0] == room]:
+            del state[key]
+    elif kind == "failed":
+        state.setdefault((room, rx), [False, set()])[0] = True
+    else:
+        state.setdefault((room, rx), [False, set()])[1].add(item)
+
+
+def _do(t: ToldTable, op) -> None:
+    kind, room, item, rx = op
+    if kind == "forget":
+        t.forget(room)
+    elif kind == "failed":
+        t.record_failed(room, rx, 1.0)
+    else:
+        t.record_success(room, item, rx, 1.0)
+
+
+def _logical(t: ToldTable) -> dict:
+    state = {}
+    for room in t.rooms():
+        for rx in (f"rx-{k}" for k in range(3)):
+            if t.told_anything(room, rx):
+                state[(room, rx)] = [t.told_failed(room, rx), {i for i in range(12) if t.told_success(room, i, rx)}]
+    return state
+
+
+def _tell_forever(prefix: str, run_id: str, seed: int, ready_fd: int) -> None:
+    t = ToldTable.attach(prefix, run_id, "t")
+    os.write(ready_fd, b"r")
+    for op in _told_ops(seed, 10**9):
+        _do(t, op)
+
+
+@pytest.mark.timeout(120)
+def test_told_table_writer_killed_at_random_moments(make, shm_prefix):
+    """After a SIGKILL anywhere, a successor's view is the state after some prefix of the
+    writer's records and forgets: never half an entry."""
+    seed = int(os.environ.get("TABLES_KILL_SEED", random.randrange(2**32)))
+    print(f"TABLES_KILL_SEED={seed}")
+    rng = random.Random(seed)
+    t = make(ToldTable, 64, 12)
+    r, w = os.pipe()
+    replayed = 0
+    try:
+        for _ in range(30):
+            view = ToldTable.attach(shm_prefix, t.run_id, "t")
+            before = _logical(view)
+            view.close()
+            child_seed = rng.randrange(2**32)
+            pid = fork_call(_tell_forever, shm_prefix, t.run_id, child_seed, w)
+            try:
+                assert os.read(r, 1) == b"r"
+                time.sleep(rng.uniform(0, 0.01))
+            finally:
+                os.kill(pid, signal.SIGKILL)
+                assert wait_child(pid) == -signal.SIGKILL
+            view = ToldTable.attach(shm_prefix, t.run_id, "t")
+            try:
+                after = _logical(view)
+                state, ops = {k: [v[0], set(v[1])] for k, v in before.items()}, _told_ops(child_seed, 10**9)
+                while state != after and replayed < 10**6:
+                    _apply(state, next(ops))
+                    replayed += 1
+                assert state == after, f"the table matches no prefix of the writer's records ({child_seed})"
+                assert view.used() == sum(1 for _ in after), "an entry published but not in the view"
+            finally:
+                view.close()
+    finally:
+        os.close(r)
+        os.close(w)
+    assert replayed, "the writer never got to write"
+
+
+@pytest.mark.timeout(60)
+def test_a_told_writer_killed_before_publishing_leaves_nothing(make, shm_prefix):
+    t = make(ToldTable, 4, 8)
+
+    def child():
+        def die(point):
+            if point == "told.body":
+                os.kill(os.getpid(), signal.SIGKILL)
+        told_mod._fault_hook = die
+        t.record_failed(5, "rx", 1.0)
+
+    assert wait_child(fork_call(child)) == -signal.SIGKILL
+    view = ToldTable.attach(shm_prefix, t.run_id, "t")
+    try:
+        assert view.rooms() == {} and view.used() == 0
+    finally:
+        view.close()
