@@ -209,3 +209,22 @@ def test_sigterm_right_after_a_burst_concludes_every_room_received(mode, drain_s
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_sender_and_reaper_killed_together_keep_the_registrations(pipeline):
+    """Neither can give the other the registrations back (issue #11: allocs were then
+    dropped as "from unregistered receiver"): the receiver table in shared memory does.
+    A receiver that registered before both died, and never again, still gets its rooms."""
+    w, client, r = pipeline()
+    load = Load(w, client, r, 7)
+    load.send(10)
+    load.settle()
+    os.kill(stage_pid(w, "sender"), signal.SIGKILL)
+    time.sleep(random.uniform(0, 0.05))
+    os.kill(stage_pid(w, "reaper"), signal.SIGKILL)
+    wait_restarted(w, "sender")
+    wait_restarted(w, "reaper")
+    after = Load(w, client, r, 8)
+    after.send(10)
+    after.settle()
+    assert not [room for room in after.sent if room in r.failed], r.failed

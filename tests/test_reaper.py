@@ -1,6 +1,8 @@
 """The reaper: what each receiver hears when a room concludes."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from ipc import shm
@@ -9,8 +11,8 @@ from ipc.rooms import RoomState, RoomTable
 from ipc.told import ToldTable
 from ipc import wire
 from stages.reaper import ReaperStage
-from stages.records import (OWNER_INTAKE, AllocSeen, Fence, Fenced, ItemDone, RoomAbandoned, RoomFailure, RoomOpened,
-                            RoomSucceeded, ShardWritten)
+from stages.records import (OWNER_INTAKE, AllocSeen, Fence, Fenced, ItemDone, LateAlloc, Registered, RoomAbandoned,
+                            RoomFailure, RoomOpened, RoomsLost, RoomSucceeded, ShardWritten, UnknownRoom)
 
 ROOM, RECEIVER = 7, "prefill-0"
 
@@ -20,10 +22,11 @@ class RecordingPusher:
 
     def __init__(self):
         self.sent: list[tuple[str, dict]] = []
+        self.endpoints: dict[str, str] = {}
         self.undelivered = 0
 
     def register(self, receiver: str, endpoint: str) -> None:
-        pass
+        self.endpoints[receiver] = endpoint
 
     def send(self, receiver: str, frame: bytes) -> None:
         self.sent.append((receiver, wire.decode(frame)))
@@ -188,3 +191,159 @@ def test_a_room_intake_inserts_while_the_reaper_looks_is_failed_not_crashed_on(r
     feed(stage, "sender", RoomFailure(None, ROOM, "alloc for item 0 does not fit"))
     assert rooms.get(slot).state == RoomState.FAILED
     assert ("sender", Fence(ROOM)) in emitted
+
+
+# -- a successor never repeats a status, whatever record it is handed again ----------------
+
+
+def test_a_shard_written_handled_again_by_a_successor_is_not_told_twice(reaper, tables):
+    stage, pusher, slot, _ = reaper
+    record = ShardWritten(ROOM, 0, RECEIVER)
+    feed(stage, "sender", record)  # told, then killed before the record was released
+    nxt, heard, _ = successor(tables)
+    feed(nxt, "sender", record)
+    assert states(pusher) == [(0, "success")] and heard.sent == []
+    feed(nxt, "sender", ShardWritten(ROOM, 1, RECEIVER))  # the next one is told as usual
+    assert states(heard) == [(1, "success")]
+    nxt.close()
+
+
+def test_a_fenced_with_several_receivers_handled_again_tells_each_once(reaper, tables, rooms):
+    stage, pusher, slot, _ = reaper
+    feed(stage, "cache", RoomFailure(slot, ROOM, "tower failed"))
+    fenced = Fenced(ROOM, ("prefill-0", "prefill-1", "prefill-2"))
+    stage.reaper.told.record_failed(ROOM, "prefill-0", 0.0)  # the predecessor got one told ...
+    pusher.send("prefill-0", wire.status_message(ROOM, None, False, "tower failed"))
+    nxt, heard, _ = successor(tables)  # ... and was killed there
+    feed(nxt, "sender", fenced)
+    feed(nxt, "sender", fenced)  # and once more, for good measure
+    assert sorted(r for r, _ in pusher.sent + heard.sent) == ["prefill-0", "prefill-1", "prefill-2"]
+    assert all(msg["state"] == "failed" and msg["reason"] == "tower failed" for _, msg in heard.sent)
+    nxt.close()
+
+
+def test_a_late_alloc_after_a_restart_is_not_told_again(reaper, tables, rooms):
+    """The successor did not see the room fail: the told table says the receiver heard."""
+    stage, pusher, slot, _ = reaper
+    cancel_at_sender(stage, slot)
+    assert states(pusher) == [(None, "failed")]
+    nxt, heard, _ = successor(tables)
+    feed(nxt, "sender", LateAlloc(ROOM, RECEIVER))
+    assert heard.sent == []
+    feed(nxt, "sender", LateAlloc(ROOM, "prefill-9"))  # one that never heard: told, once
+    feed(nxt, "sender", LateAlloc(ROOM, "prefill-9"))
+    assert [(r, m["state"]) for r, m in heard.sent] == [("prefill-9", "failed")]
+    nxt.close()
+
+
+def test_an_unknown_room_is_remembered_by_a_successor(tables):
+    stage, pusher, _ = make_reaper(tables)
+    feed(stage, "sender", UnknownRoom(99, RECEIVER, "unknown room"))
+    nxt, heard, _ = successor(tables)
+    assert 99 in nxt.reaper.tombstones, "freed with its tombstone, like any other"
+    feed(nxt, "sender", UnknownRoom(99, RECEIVER, "unknown room"))
+    assert states(pusher) == [(None, "failed")] and heard.sent == []
+    stage.close()
+    nxt.close()
+
+
+def test_no_success_after_failed_across_a_restart(reaper, tables):
+    """A dead sender's rooms are failed at once (its writes died with it); a ShardWritten it
+    pushed before it died still waits in its ring for the reaper's successor."""
+    stage, pusher, slot, _ = reaper
+    feed(stage, "supervisor", RoomsLost(((slot, ROOM),), "sender died", died="sender"))
+    assert states(pusher) == [(None, "failed")]
+    nxt, heard, _ = successor(tables)
+    feed(nxt, "sender", ShardWritten(ROOM, 0, RECEIVER))
+    assert heard.sent == []
+    nxt.close()
+
+
+def test_told_entries_go_with_their_tombstone(tables, rooms):
+    stage, pusher, _ = make_reaper(tables, max_tombstones=1)
+    slot = rooms.insert(ROOM, "req-7", 1, OWNER_INTAKE)
+    feed(stage, "intake", RoomOpened(slot, ROOM, "req-7", (4,), 0.0))
+    feed(stage, "sender", RoomFailure(slot, ROOM, "canceled"))
+    feed(stage, "sender", Fenced(ROOM, (RECEIVER,)))
+    told = stage.reaper.told
+    assert told.told_failed(ROOM, RECEIVER)
+    feed(stage, "sender", UnknownRoom(98, RECEIVER, "unknown room"))  # a second tombstone: one too many
+    stage.tick(time.monotonic())
+    assert rooms.get(slot) is None and not told.told_anything(ROOM, RECEIVER)
+    stage.close()
+
+
+# -- registrations outlive the sender and the reaper together ----------------------------
+
+
+def test_a_sender_and_a_reaper_restarted_together_keep_every_registration(tables, shm_prefix):
+    """Both die close together: neither can give the other the registrations back, the
+    receiver table does. The receiver's alloc is still accepted, its status still goes out."""
+    from ipc.arena import Arena
+    from stages.sender import Sender
+
+    rooms, _, receivers = tables
+    arena = Arena.create(shm_prefix, shm.new_run_id(), "emb", 64 * 1024, block_size=64)
+    try:
+        def sender():
+            return Sender(arena=arena, engine=None, rooms=rooms, registrations=receivers, hidden=8,
+                          dtype="bfloat16", deepstack_width=0, bootstrap_timeout_s=60.0, max_held_allocs=16)
+
+        first = sender()
+        first.on_bootstrap(wire.encode({"v": 1, "type": "register", "receiver": RECEIVER,
+                                        "session": "127.0.0.1:1234", "status": "tcp://127.0.0.1:5555"}))
+        assert [type(e) for e in first.events] == [Registered]  # the sender and the reaper die here
+
+        again, reaper_again = sender(), make_reaper(tables)
+        stage, pusher, _ = reaper_again
+        assert pusher.endpoints == {RECEIVER: "tcp://127.0.0.1:5555"}
+        slot = rooms.insert(ROOM, "req", 1, OWNER_INTAKE)
+        again.on_opened(RoomOpened(slot, ROOM, "req", (4,), 0.0))
+        again.on_bootstrap(wire.encode({"v": 1, "type": "alloc", "receiver": RECEIVER, "room": ROOM, "item": 0,
+                                        "dst": 4096, "dst_deepstack": 0, "row_start": 0, "n_rows": 0, "span": 4,
+                                        "hidden": 8, "dtype": "bfloat16", "deepstack_width": 0, "fanout": 1}))
+        assert not again.dropped, again.dropped
+        feed(stage, "intake", RoomOpened(slot, ROOM, "req", (4,), 0.0))
+        feed(stage, "sender", RoomFailure(slot, ROOM, "canceled"))
+        again.fence(ROOM)  # the reaper's Fence: answered, with the receiver that allocated
+        for ev in again.events:
+            feed(stage, "sender", ev)
+        assert pusher.sent == [(RECEIVER, {"v": 1, "type": "status", "room": ROOM, "item": None,
+                                           "state": "failed", "reason": "canceled"})]
+        stage.close()
+    finally:
+        arena.close()
+        arena.unlink()
+
+
+# -- the watchdog --------------------------------------------------------------------------
+
+
+def test_the_watchdog_fails_a_room_nobody_will_finish(tables, rooms):
+    """A room in the table whose every record was lost: past max(deadline, bootstrap_timeout_s)
+    plus the restart margin it fails, fenced and told like any other failure."""
+    stage, pusher, emitted = make_reaper(tables, bootstrap_timeout_s=0.2, heartbeat_timeout_s=0.1)
+    r = stage.reaper
+    slot = rooms.insert(ROOM, "req-lost", 1, 0)
+    entry = rooms.get(slot)
+    bound = r.bound_of(entry)
+    assert bound == entry.created + 0.2 + r.restart_margin_s
+    stage.tick(bound - 0.01)
+    assert rooms.get(slot).live and not emitted
+    stage.tick(bound + r.restart_margin_s)  # a second later at most, it looks
+    stage.pushed()
+    assert ("sender", Fence(ROOM)) in emitted
+    assert rooms.get(slot).state == RoomState.FAILED
+    assert "room watchdog" in rooms.get(slot).reason and "bootstrap_timeout_s" in rooms.get(slot).reason
+    feed(stage, "sender", AllocSeen(ROOM, RECEIVER))
+    feed(stage, "sender", Fenced(ROOM, ()))
+    assert states(pusher) == [(None, "failed")] and "room watchdog" in pusher.sent[0][1]["reason"]
+    stage.close()
+
+
+def test_the_watchdog_waits_for_a_later_deadline(tables, rooms):
+    stage, pusher, emitted = make_reaper(tables, bootstrap_timeout_s=0.2, heartbeat_timeout_s=0.1)
+    slot = rooms.insert(ROOM, "req-slow", 1, 0, deadline=10**9)
+    stage.tick(10**6)
+    assert rooms.get(slot).live and not emitted
+    stage.close()
