@@ -120,7 +120,12 @@ class ToldTable:
 
     def rooms(self) -> dict[int, float]:
         """Every room with an entry, and when its first receiver was told."""
-        return {room: float(self._at[list(by_rx.values())].min()) for room, by_rx in self._entries().items()}
+        self._entries()
+        used = np.flatnonzero(self._flags)
+        first: dict[int, float] = {}
+        for room, at in zip(self._room[used].tolist(), self._at[used].tolist()):
+            first[room] = min(at, first.get(room, at))
+        return first
 
     def _find(self, room: int, receiver: str) -> int | None:
         return self._entries().get(room, {}).get(receiver_hash(receiver))

@@ -347,14 +347,16 @@ class ReaperStage(Stage):
         """Pick up what a predecessor (if any) left: deadlines and tombstones from the room
         table, unknown rooms' tombstones from the told table, and the registrations."""
         r = self.reaper
+        in_table = set()
         for e in r.rooms.entries():
+            in_table.add(e.room)
             if e.state < RoomState.SUCCESS:
                 if e.deadline:
                     heapq.heappush(r.deadlines, (e.deadline, e.slot, e.room))
             else:
                 r.tombstones[e.room] = (e.concluded, e.slot)
         for room, told_at in r.told.rooms().items():
-            if room not in r.tombstones and r.rooms.find(room) is None:
+            if room not in in_table:
                 r.tombstones[room] = (told_at, None)
         r.tombstones = OrderedDict(sorted(r.tombstones.items(), key=lambda kv: kv[1][0]))
         for receiver, (session, status) in self.receivers.load().items():
