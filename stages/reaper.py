@@ -359,7 +359,7 @@ class ReaperStage(Stage):
         self.reaper.pusher.close()
 
 
-def build(env, emit, custody) -> ReaperStage:
+def build(env, name, emit, custody) -> ReaperStage:
     cfg = env.cfg
     return ReaperStage(emit, rooms=env.shared.rooms, pusher=StatusPusher(env.zmq_context, cfg.status_hwm),
                        tombstone_ttl_s=cfg.tombstone_ttl_s, max_tombstones=cfg.max_tombstones,
