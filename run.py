@@ -32,10 +32,8 @@ import importlib.util
 import logging
 import multiprocessing as mp
 import os
-import signal
 import sys
 import textwrap
-import threading
 import time
 
 from pipeline.config import (ConfigError, WorkerConfig, add_flags, flags_given, format_config, load_config,

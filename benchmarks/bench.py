@@ -5,7 +5,7 @@
 
 Runs benchmarks/ring.py, benchmarks/transfer.py and benchmarks/pipeline.py (each in
 its own process, each printing its figures as ratios against its own baseline);
-pipeline.py with every scenario (cpu-bound, small, device-bound, tiny Qwen) and its
+pipeline.py with every scenario (cpu-bound, small, device-bound, tiny Qwen, replicas) and its
 load scenario too: both modes of the worker (sim tower, cpu-bound settings)
 measured at each number of rooms in flight (1, 2, 4, ... 64). The PNG (PATH with
 .png) shows images/s of both modes against rooms in flight, the one-at-a-time
@@ -27,7 +27,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PARTS = ("ring", "transfer", "pipeline")
-PIPELINE_SCENARIOS = "cpu,small,device,tiny,load"  # every scenario of benchmarks/pipeline.py
+PIPELINE_SCENARIOS = "cpu,small,device,tiny,replicas,load"  # every scenario of benchmarks/pipeline.py
 
 
 def run_script(name: str, extra: list[str], out_dir: str) -> tuple[int, dict]:

@@ -588,12 +588,10 @@ class Chaos:
         return proc.pid
 
     def chaos_event(self) -> None:
-        from stages import registry
-
         kind = self.rng.choices(["kill_stage", "stop_stage", "kill_receiver", "kill_receiver_before_alloc"],
                                 weights=[6, 1, 2, 1])[0]
         if kind in ("kill_stage", "stop_stage"):
-            name = self.rng.choice(registry.STAGES)
+            name = self.rng.choice(self.w.sup.stages)
             if self.stopped is not None:
                 return
             pid = self.live_stage_pid(name)
@@ -833,9 +831,7 @@ class Chaos:
 
     def settle(self) -> None:
         """Every stage and receiver up, every room concluded wherever someone alive listens."""
-        from stages import registry
-
-        self.wait_until(lambda: self.stopped is None and all(self.live_stage_pid(n) for n in registry.STAGES),
+        self.wait_until(lambda: self.stopped is None and all(self.live_stage_pid(n) for n in self.w.sup.stages),
                         120, "every stage to be up")
         self.wait_receivers_up()
         # a room whose statuses went down with a killed reaper (known limit 1) never concludes

@@ -23,6 +23,9 @@ Figures:
   another in one process, outs in page-locked host memory like the embedding arena)
   on the batches the scheduler forms from the same images. Target >= 0.95.
 - inprocess_vs_tower_alone: the same for the in-process worker (no target).
+- with --replicas N (N > 1): replicasN_vs_one, images/s of the pipeline with N tower
+  replicas (on --gpus, default every replica on GPU 0: on a one-GPU machine this
+  shows that N replicas work, not that they scale) / the N = 1 pipeline's (no target).
 
 Without CUDA (and without --device cpu) it refuses, exit 2. --device cpu hides the
 GPUs from every process it starts; --tiny uses a two-block tower and small images.
@@ -100,6 +103,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trials", type=int, default=2, help="measured runs per mode (best counts)")
     ap.add_argument("--window", type=int, help="rooms in flight (default 32; --tiny 8)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--replicas", type=int, default=1, help="also run the pipeline with this many tower replicas")
+    ap.add_argument("--gpus", help="their CUDA devices, comma-separated (default: 0 for every replica)")
     args = ap.parse_args(argv)
     if args.device == "cuda":
         import torch
@@ -155,8 +160,27 @@ def main(argv=None) -> int:
         pip, inp = pair["pipeline"]["images_per_s"], pair["inprocess"]["images_per_s"]
         results["pipeline_vs_tower_alone"] = pip / ta["images_per_s"]
         results["inprocess_vs_tower_alone"] = inp / ta["images_per_s"]
-        results["failed_rooms"] = sum(r["failed_rooms"] + r["timed_out"] for r in pair.values())
-        results["violations"] = sum(r["n_violations"] for r in pair.values())
+        runs = list(pair.values())
+        if args.replicas > 1:
+            key = f"replicas{args.replicas}_vs_one"
+            s = bp.Session("pipeline", f"gpu_rep{args.replicas}", tmp, bargs, rooms=2 * window + args.trials * n,
+                           tower="qwen", device_s=0.0, grids=grids, tower_config=ckpt,
+                           config={"tower_replicas": args.replicas,
+                                   "gpus": args.gpus or ",".join(["0"] * args.replicas)})
+            try:
+                s.warmup(2 * window, window)
+                for _ in range(args.trials):
+                    s.trial(n, window)
+                rep = s.finish()
+            finally:
+                s.close()
+            runs.append(rep)
+            results[f"pipeline_replicas{args.replicas}"] = rep
+            results[key] = rep["images_per_s"] / pip
+            print(bp._describe(rep), flush=True)
+            print(f"{key} = {rep['images_per_s']:.1f} / {pip:.1f} = {results[key]:.2f}  (no target)", flush=True)
+        results["failed_rooms"] = sum(r["failed_rooms"] + r["timed_out"] for r in runs)
+        results["violations"] = sum(r["n_violations"] for r in runs)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     ok = results["pipeline_vs_tower_alone"] >= TARGET

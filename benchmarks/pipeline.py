@@ -49,6 +49,10 @@ Figures (each a ratio against a baseline measured in the same run):
   in-process CPU cost per image, that cost = 1/throughput - device time from the
   cpu-bound in-process run): images/s of the pipeline / 1 / device time.
   Target >= 0.97. The in-process worker's figure there is reported too.
+- replicas2_vs_one_device_bound (scenario replicas: small images, sim device time
+  10 ms per image, a sleep, so it scales on two cores too; batches of at most 4):
+  images/s of the pipeline with two tower replicas / with one, both workers alive
+  together, trials alternating. Target >= 1.8.
 - tiny_pipeline_vs_tower_alone: images/s of the pipeline with the tiny Qwen2.5-VL
   tower (grid (1, 16, 16)) / the same tower's forward alone (built as the tower
   stage builds it, start(...).result() one batch after another, outs registered
@@ -112,7 +116,9 @@ TARGETS = {
     "intake_cpu_vs_raw_read": ("<=", 1.2),
     "pipeline_vs_device_bound": (">=", 0.97),
     "tiny_pipeline_vs_tower_alone": (">=", 0.95),
+    "replicas2_vs_one_device_bound": (">=", 1.8),
 }
+REPLICAS_DEVICE_S = 10e-3  # device time per image, replicas: the (sleeping) device is the bottleneck
 PHASE_TIMEOUT_S = 300.0
 MIB = 1 << 20
 
@@ -359,11 +365,11 @@ class Session:
     """One fresh worker (own shm prefix, process tree) and its client process."""
 
     def __init__(self, mode: str, tag: str, tmp: str, args, *, rooms: int, tower: str, device_s: float,
-                 grids: list, tower_config: str = "tiny"):
+                 grids: list, tower_config: str = "tiny", config: dict | None = None):
         self.mode, self.grids = mode, [tuple(g) for g in grids]
         self.prefix = f"bench_{os.getpid()}_{tag}"
         cfg = make_config(self.prefix, tmp, tag, rooms=rooms, tower=tower, device_s=device_s, args=args,
-                          grid=self.grids[0], tower_config=tower_config)
+                          grid=self.grids[0], tower_config=tower_config, **(config or {}))
         self.cfg = cfg
         self.res = {"mode": mode, "tower": tower, "device_s_per_image": device_s,
                     "grids": [list(g) for g in self.grids],
@@ -528,6 +534,27 @@ def run_pair(tag: str, tmp: str, args, *, modes=("inprocess", "pipeline"), tower
             s.close()
 
 
+def run_replicas(tmp: str, args, *, n: int, trials: int, warmup: int) -> dict:
+    """The pipeline with one tower replica and with two (replicas scenario), alive together,
+    the measured runs alternating (ABBA...) as run_pair's."""
+    sessions: dict[int, Session] = {}
+    try:
+        for k in (1, 2):
+            sessions[k] = Session("pipeline", f"rep{k}", tmp, args, rooms=warmup + trials * n, tower="sim",
+                                  device_s=REPLICAS_DEVICE_S, grids=(SMALL_GRID,),
+                                  config={"tower_replicas": k, "max_items_per_batch": 4})
+        for s in sessions.values():
+            s.warmup(warmup, args.window)
+        order = list(sessions.values())
+        for t in range(trials):
+            for s in (order if t % 2 == 0 else order[::-1]):
+                s.trial(n, args.window)
+        return {k: s.finish() for k, s in sessions.items()}
+    finally:
+        for s in sessions.values():
+            s.close()
+
+
 def load_sweep(tmp: str, args, windows: list[int], n: int) -> dict:
     """images/s of both modes (cpu-bound settings) at each number of rooms in flight,
     alternating the modes at each point as run_pair does."""
@@ -584,7 +611,8 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def make_config(prefix: str, tmp: str, tag: str, *, rooms: int, tower: str, device_s: float,
-                args, grid=GRID, tower_config: str = "tiny") -> "WorkerConfig":
+                args, grid=GRID, tower_config: str = "tiny", **settings) -> "WorkerConfig":
+    """`settings`: more WorkerConfig fields, over the benchmark's."""
     from pipeline.config import WorkerConfig
     from tests.helpers import free_port
 
@@ -600,7 +628,7 @@ def make_config(prefix: str, tmp: str, tag: str, *, rooms: int, tower: str, devi
                     sim_time_per_row_s=device_s / (grid[0] * grid[1] * grid[2] // 4))
     else:
         over.update(tower="qwen2.5-vl", tower_config=tower_config)
-    return WorkerConfig(**over)
+    return WorkerConfig(**over, **settings)
 
 
 def _unlink_pixels(prefix: str) -> None:
@@ -880,8 +908,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer images (under ~4 minutes)")
     ap.add_argument("--json", metavar="PATH", help="write the results here")
     ap.add_argument("--window", type=int, default=64, help="rooms in flight at the receiver")
-    ap.add_argument("--scenarios", default="cpu,small,device,tiny",
-                    help="comma-separated subset of cpu, small, device, tiny (device needs cpu), and load: "
+    ap.add_argument("--scenarios", default="cpu,small,device,tiny,replicas",
+                    help="comma-separated subset of cpu, small, device, tiny, replicas (device needs cpu), and load: "
                          "images/s of both modes at each of --load-windows rooms in flight (not by default)")
     ap.add_argument("--load-windows", default="1,2,4,8,16,32,64",
                     help="rooms in flight for the load scenario (default %(default)s; at most --window)")
@@ -908,11 +936,12 @@ def main(argv=None) -> int:
     n_small, trials_small = (2000, 2) if q else (5000, 4)
     n_dev, trials_dev = (300, 1) if q else (500, 2)
     n_tiny, trials_tiny = (300, 1) if q else (600, 2)
+    n_rep, trials_rep = (300, 1) if q else (600, 2)
     n_lat = 100 if q else 400
     if args.images:
-        n_cpu = n_small = n_dev = n_tiny = args.images
+        n_cpu = n_small = n_dev = n_tiny = n_rep = args.images
     if args.trials:
-        trials_cpu = trials_small = trials_dev = trials_tiny = args.trials
+        trials_cpu = trials_small = trials_dev = trials_tiny = trials_rep = args.trials
     warm = 2 * args.window
     hops = hops_on_fresh_path()
     tmp = tempfile.mkdtemp(prefix="epd-bench-")
@@ -980,6 +1009,21 @@ def main(argv=None) -> int:
             print(f"pipeline_vs_device_bound = {pip['images_per_s']:.1f} / {ceiling:.1f} = {ratio:.2f}  "
                   f"{_verdict('pipeline_vs_device_bound', ratio)}   (inprocess: "
                   f"{results['inprocess_vs_device_bound']:.2f}, no target)", flush=True)
+        if "replicas" in scenarios:
+            print(f"replicas: {SMALL_GRID}, device {REPLICAS_DEVICE_S * 1e3:.0f} ms/image (a sleep), at most 4 "
+                  f"images per batch; the pipeline with 1 and with 2 tower replicas, {n_rep} images x "
+                  f"{trials_rep} trials each, window {args.window}", flush=True)
+            pair = run_replicas(tmp, args, n=n_rep, trials=trials_rep, warmup=warm)
+            for k, r in pair.items():
+                raw[f"replicas{k}_pipeline"] = r
+                print(f"  tower_replicas {k}:\n{_describe(r)}", flush=True)
+            one, two = pair[1]["images_per_s"], pair[2]["images_per_s"]
+            ratio = two / one
+            results["replicas2_vs_one_device_bound"] = ratio
+            results["replicas_device_ceiling_images_per_s"] = {k: k / REPLICAS_DEVICE_S for k in pair}
+            print(f"replicas2_vs_one_device_bound = {two:.1f} / {one:.1f} = {ratio:.2f}  "
+                  f"{_verdict('replicas2_vs_one_device_bound', ratio)}   (device ceilings "
+                  f"{1 / REPLICAS_DEVICE_S:.0f} and {2 / REPLICAS_DEVICE_S:.0f} images/s)", flush=True)
         if "load" in scenarios:
             windows = [int(w) for w in args.load_windows.split(",")]
             if max(windows) > args.window:

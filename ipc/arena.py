@@ -115,7 +115,9 @@ class Arena:
 
     @classmethod
     def create(cls, prefix: str, run_id: str, what: str, size: int, *, block_size: int = 4096,
-               max_leases: int = 4096, max_owners: int = 16) -> "Arena":
+               max_leases: int = 4096, max_owners: int = 16, slices: int = 1, touch=None) -> "Arena":
+        """`slices`, `touch`: the data's pages allocated in parts, each in a context of its
+        own (shm.Segment.create: a NUMA first touch per part)."""
         size, block_size = _index(size), _index(block_size)
         max_leases, max_owners = _index(max_leases), _index(max_owners)
         if size <= 0 or block_size <= 0:
@@ -125,7 +127,7 @@ class Arena:
         nblocks = -(-size // block_size)
         data_name, meta_name = cls._names(prefix, run_id, what)
         lay = _layout(nblocks, max_leases, max_owners)
-        data = shm.Segment.create(data_name, nblocks * block_size)
+        data = shm.Segment.create(data_name, nblocks * block_size, slices=slices, touch=touch)
         try:
             meta = shm.Segment.create(meta_name, lay["total"])
         except BaseException:

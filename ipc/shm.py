@@ -15,6 +15,7 @@ segments that other stages still use.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import mmap
@@ -25,6 +26,8 @@ import shutil
 import stat
 
 import posix_ipc
+
+PAGE = 4096  # a NUMA first touch places whole pages
 
 SHM_DIR = "/dev/shm"
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_]{1,32}$")
@@ -141,7 +144,9 @@ class Segment:
         self.buf = memoryview(self._mmap) if size else memoryview(b"")
 
     @classmethod
-    def create(cls, name: str, size: int) -> "Segment":
+    def create(cls, name: str, size: int, *, slices: int = 1, touch=None) -> "Segment":
+        """A new segment of `size` bytes, all of it allocated now. With `touch`, in `slices`
+        page-aligned parts, the k-th inside the context `touch(k)`: a NUMA first touch."""
         if size < 0:
             raise ValueError("segment size must be >= 0")
         try:
@@ -150,9 +155,13 @@ class Segment:
             raise ShmError(f"shared-memory segment {name!r} already exists") from None
         try:
             os.fchmod(fd, 0o600)  # the umask cannot widen it, but make the mode exact
-            if size:
+            bounds = [size * k // slices // PAGE * PAGE for k in range(slices)] + [size]
+            for k, (start, end) in enumerate(zip(bounds, bounds[1:])):
+                if end <= start:
+                    continue
                 try:
-                    os.posix_fallocate(fd, 0, size)
+                    with touch(k) if touch is not None else contextlib.nullcontext():
+                        os.posix_fallocate(fd, start, end - start)
                 except OSError as e:
                     if e.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
                         raise ShmFullError(f"segment {name!r}", size, shm_free_bytes()) from None

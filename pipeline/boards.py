@@ -1,13 +1,14 @@
 """The tables a pipeline run keeps in shared memory besides rings, arenas and rooms:
 each stage's heartbeat row, its published counters, and intake's journal of the
-frame in hand. The supervisor creates them; stages attach."""
+frame in hand. The supervisor creates them, a row or region per stage of the run;
+stages attach, and find the run's stages from the size (stages.registry.replicas_of)."""
 from __future__ import annotations
 
 import pickle
 import time
 
 from ipc import shm
-from stages.registry import STAGES
+from stages import registry
 
 
 class Heartbeats:
@@ -23,19 +24,21 @@ class Heartbeats:
         import numpy as np
 
         self.seg = seg
-        self.table = np.frombuffer(seg.buf, dtype=np.float64).reshape(len(STAGES), self.FIELDS)
+        rows = seg.size // (self.FIELDS * 8)
+        self.stages = registry.stage_names(registry.replicas_of(rows))
+        self.table = np.frombuffer(seg.buf, dtype=np.float64).reshape(rows, self.FIELDS)
 
     @classmethod
-    def create(cls, prefix: str, run_id: str) -> "Heartbeats":
+    def create(cls, prefix: str, run_id: str, stages: list[str]) -> "Heartbeats":
         return cls(shm.Segment.create(shm.object_name(prefix, run_id, "heartbeats"),
-                                      len(STAGES) * cls.FIELDS * 8))
+                                      len(stages) * cls.FIELDS * 8))
 
     @classmethod
     def attach(cls, prefix: str, run_id: str) -> "Heartbeats":
         return cls(shm.Segment.attach(shm.object_name(prefix, run_id, "heartbeats")))
 
     def row(self, stage: str):
-        return self.table[STAGES.index(stage)]
+        return self.table[self.stages.index(stage)]
 
     def close(self) -> None:
         self.table = None
@@ -95,11 +98,12 @@ class StatsBoard:
 
     def __init__(self, seg: shm.Segment):
         self.seg = seg
+        self.stages = registry.stage_names(registry.replicas_of(seg.size // self.REGION))
 
     @classmethod
-    def create(cls, prefix: str, run_id: str) -> "StatsBoard":
+    def create(cls, prefix: str, run_id: str, stages: list[str]) -> "StatsBoard":
         return cls(shm.Segment.create(shm.object_name(prefix, run_id, "stats"),
-                                      len(STAGES) * cls.REGION))
+                                      len(stages) * cls.REGION))
 
     @classmethod
     def attach(cls, prefix: str, run_id: str) -> "StatsBoard":
@@ -109,7 +113,7 @@ class StatsBoard:
         data = pickle.dumps(stats, protocol=5)
         if len(data) > self.REGION - 16:
             return
-        base = STAGES.index(stage) * self.REGION
+        base = self.stages.index(stage) * self.REGION
         buf = self.seg.buf
         seq = int.from_bytes(buf[base:base + 8], "little") + 1
         buf[base:base + 8] = (seq | 1).to_bytes(8, "little")  # odd: being written
@@ -118,7 +122,7 @@ class StatsBoard:
         buf[base:base + 8] = ((seq | 1) + 1).to_bytes(8, "little")
 
     def read(self, stage: str) -> dict:
-        base = STAGES.index(stage) * self.REGION
+        base = self.stages.index(stage) * self.REGION
         buf = self.seg.buf
         for _ in range(100):
             seq = int.from_bytes(buf[base:base + 8], "little")
@@ -135,12 +139,6 @@ class StatsBoard:
                 except Exception:
                     return {}
         return {}
-
-    def read_all(self) -> dict:
-        out = {}
-        for stage in STAGES:
-            out.update(self.read(stage))
-        return out
 
     def close(self) -> None:
         self.seg.close()

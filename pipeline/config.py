@@ -19,7 +19,7 @@ import tomllib
 from dataclasses import dataclass, field
 
 from ipc import shm
-from stages.registry import STAGES
+from stages import registry
 from stages.towers import TOWER_SETTINGS, TOWERS, SettingError
 
 ENV_PREFIX = "EPD_"
@@ -99,6 +99,10 @@ class WorkerConfig:
     numa: str = setting("auto", "NUMA placement: auto (the node nearest the tower's GPU), off, a node number, "
                                 "or per stage: 'tower=1,sender=1,*=0'")
     gpu: int = tower_setting("gpu")
+    tower_replicas: int = setting(1, f"tower processes, each on its own GPU (gpus), 1 to "
+                                     f"{registry.MAX_TOWER_REPLICAS}; the scheduler feeds them all")
+    gpus: str = setting("", "the CUDA device of each tower replica, one per replica, separated by commas "
+                            "(default: gpu, gpu+1, ...)")
     log_level: str = setting("WARNING", "DEBUG, INFO, WARNING or ERROR, for the supervisor and every "
                                         "stage process")
 
@@ -108,7 +112,16 @@ class WorkerConfig:
             c.run_dir = f"/tmp/epd-{c.shm_prefix}"
         if not c.intake:
             c.intake = f"ipc://{c.run_dir}/intake.sock"
+        if not c.gpus and 1 <= c.tower_replicas <= registry.MAX_TOWER_REPLICAS:
+            c.gpus = ",".join(str(c.gpu + k) for k in range(c.tower_replicas))
         return c
+
+    def gpu_list(self) -> list[int]:
+        return [int(g) for g in self.gpus.split(",")]
+
+    def replica_config(self, replica: int) -> "WorkerConfig":
+        """The configuration tower replica `replica` builds its tower from: its own GPU."""
+        return dataclasses.replace(self, gpu=self.gpu_list()[replica])
 
     def validate(self) -> "WorkerConfig":
         try:
@@ -127,6 +140,13 @@ class WorkerConfig:
         for s in TOWER_SETTINGS.values():
             if s.minimum is not None and getattr(self, s.key) < s.minimum:
                 raise ConfigError(f"{s.key} must be >= {s.minimum}, got {getattr(self, s.key)}", s.key)
+        if not 1 <= self.tower_replicas <= registry.MAX_TOWER_REPLICAS:
+            raise ConfigError(f"tower_replicas must be 1 to {registry.MAX_TOWER_REPLICAS}, "
+                              f"got {self.tower_replicas}", "tower_replicas")
+        gpus = [g.strip() for g in self.gpus.split(",")]
+        if not all(g.isdigit() for g in gpus) or len(gpus) != self.tower_replicas:
+            raise ConfigError(f"gpus must list {self.tower_replicas} CUDA device numbers (one per tower "
+                              f"replica, tower_replicas), got {self.gpus!r}", "gpus")
         for name in ["bootstrap_timeout_s", "tombstone_ttl_s", "heartbeat_timeout_s",
                      "restart_window_s", "start_timeout_s"]:
             if not getattr(self, name) > 0:
@@ -164,7 +184,7 @@ class WorkerConfig:
             if not host or not port.isdigit() or int(port) > 65535:
                 raise ConfigError(f"metrics_endpoint must be '' or host:port (a port 0-65535), "
                                   f"got {self.metrics_endpoint!r}", "metrics_endpoint")
-        parse_numa(self.numa)
+        parse_numa(self.numa, self.tower_replicas)
         return self
 
     def tower_settings(self) -> dict:
@@ -173,8 +193,9 @@ class WorkerConfig:
         return tower.tower_kwargs({s.key: getattr(self, s.key) for s in tower.settings})
 
 
-def parse_numa(text: str) -> str | dict[str, int]:
-    """`numa` as "auto", "off", or {stage or "*": node}; a bare node number is {"*": node}."""
+def parse_numa(text: str, replicas: int = 1) -> str | dict[str, int]:
+    """`numa` as "auto", "off", or {stage or "*": node}; a bare node number is {"*": node}.
+    A stage is one of the run's (with `replicas` towers), or `tower` for every replica."""
     if text in ("auto", "off"):
         return text
     if text.isdigit():
@@ -185,8 +206,9 @@ def parse_numa(text: str) -> str | dict[str, int]:
         if not eq or not node.isdigit():
             raise ConfigError(f"numa must be auto, off, a node number or 'stage=node,...,*=node', "
                               f"got {text!r} (bad part {part.strip()!r})", "numa")
-        if stage != "*" and stage not in STAGES:
-            raise ConfigError(f"numa names no stage {stage!r}: stages are {', '.join(STAGES)} "
+        names = registry.stage_names(replicas)
+        if stage not in ("*", registry.TOWER, *names):
+            raise ConfigError(f"numa names no stage {stage!r}: stages are {', '.join(names)} "
                               f"(or * for the rest)", "numa")
         if stage in plan:
             raise ConfigError(f"numa gives {stage!r} twice in {text!r}", "numa")
@@ -291,6 +313,8 @@ def load_config(path: str | None = None, flags: dict | None = None, environ=None
         sources["run_dir"] = "derived from shm_prefix"
     if not given.intake:
         sources["intake"] = "derived from run_dir"
+    if not given.gpus:
+        sources["gpus"] = "derived from gpu and tower_replicas"
     try:
         cfg.validate()
     except ConfigError as e:

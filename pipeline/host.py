@@ -44,8 +44,9 @@ PUSH_TIMEOUT_S = 1.0   # a full output ring is waited on in slices, beating the 
 
 class Env:
     """What stages are built from: the configuration, the run's shared objects, the
-    tower's spec, and what only some stages use (the tower, the Mooncake engine, a ZeroMQ
-    context), made on first use. `spec` comes from the tower, built here or elsewhere."""
+    towers' spec, and what only some stages use (each replica's tower, the Mooncake
+    engine, a ZeroMQ context), made on first use. `spec` comes from a tower, built here
+    or elsewhere; `tower`, if given, is the first replica's."""
 
     def __init__(self, cfg, run_id: str, shared: wiring.Shared, *, spec=None, tower=None, journal=None):
         self.cfg = cfg
@@ -53,21 +54,21 @@ class Env:
         self.shared = shared
         self.journal = journal
         self._spec = spec
-        self._tower = tower
+        self._towers = {} if tower is None else {0: tower}
         self._engine = None
         self._ctx = None
 
-    @property
-    def tower(self):
-        if self._tower is None:
+    def tower(self, replica: int):
+        """Tower replica `replica`'s tower, on its own GPU."""
+        if replica not in self._towers:
             from stages.towers import build_tower
 
-            self._tower = build_tower(self.cfg.tower, **self.cfg.tower_settings())
-        return self._tower
+            self._towers[replica] = build_tower(self.cfg.tower, **self.cfg.replica_config(replica).tower_settings())
+        return self._towers[replica]
 
     @property
     def spec(self):
-        return self._spec if self._spec is not None else self.tower.spec
+        return self._spec if self._spec is not None else self.tower(0).spec
 
     @property
     def engine(self) -> Engine:
@@ -85,13 +86,13 @@ class Env:
         return self._ctx
 
     def build(self, name: str, emit, custody) -> Stage:
-        return importlib.import_module(registry.MODULES[name]).build(self, emit, custody)
+        return importlib.import_module(registry.MODULES[registry.kind_of(name)]).build(self, name, emit, custody)
 
     def close(self) -> None:
         """After the stages and their sockets are closed."""
-        if self._tower is not None:
-            self._tower.close()
-            self._tower = None
+        for tower in self._towers.values():
+            tower.close()
+        self._towers = {}
         if self._engine is not None:
             self._engine.close()
             self._engine = None

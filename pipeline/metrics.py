@@ -82,6 +82,18 @@ def totals_of(stats: dict) -> Totals:
     return t
 
 
+def merge_stats(per_stage: dict[str, dict]) -> dict:
+    """The worker's stats: every stage's stats() in one dict, numbers that several stages
+    report (the tower replicas' counters) summed, and each stage's own under "per_stage"."""
+    out: dict = {}
+    for stats in per_stage.values():
+        for key, value in stats.items():
+            both_numbers = isinstance(value, (int, float)) and isinstance(out.get(key), (int, float))
+            out[key] = out[key] + value if both_numbers else value
+    out["per_stage"] = per_stage
+    return out
+
+
 class StageTotals:
     """Each stage's last published stats, and the totals its dead predecessors had counted.
 

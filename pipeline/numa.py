@@ -14,7 +14,7 @@ import re
 from contextlib import contextmanager
 
 from pipeline.config import ConfigError, WorkerConfig, parse_numa
-from stages.registry import STAGES
+from stages import registry
 
 log = logging.getLogger("epd.numa")
 
@@ -142,37 +142,32 @@ def gpu_node(gpu: int, sysfs_root: str = "/sys", proc_root: str = "/proc",
 
 def plan(setting: str, gpu: int, stages: list[str], sysfs_root: str = "/sys", *,
          proc_root: str = "/proc", visible_devices: str | None = None,
-         allowed: set[int] | None = None) -> dict[str, list[int] | None]:
+         allowed: set[int] | None = None, tower_gpus: dict[str, int] | None = None) -> dict[str, list[int] | None]:
     """Each stage's CPUs, or None to leave it unpinned.
 
-    "off": none pinned. "auto": every stage on the node of the tower's GPU, but
-    none pinned on a machine with one node or when the GPU's node is unknown.
-    "N": every stage on node N. "tower=1,sender=1,*=0": per stage, "*" for the
-    rest (a stage not named, without "*", is left unpinned). A node's CPUs are
-    cut down to `allowed` (the CPUs this process may use: taskset, cgroup cpuset).
+    "off": none pinned. "auto": each tower replica on the node of its GPU
+    (`tower_gpus`), every other stage on the node of `gpu`; none pinned on a
+    machine with one node, and a stage whose GPU's node is unknown unpinned.
+    "N": every stage on node N. "tower=1,sender=1,*=0": per stage ("tower" for
+    every replica, "tower1" for one), "*" for the rest (a stage not named, without
+    "*", is left unpinned). A node's CPUs are cut down to `allowed` (the CPUs this
+    process may use: taskset, cgroup cpuset).
     """
-    wanted = parse_numa(setting)  # "auto", "off" or {stage or "*": node}; its errors name numa
+    replicas = sum(registry.replica_of(s) is not None for s in stages)
+    wanted = parse_numa(setting, max(1, replicas))  # "auto", "off" or {stage or "*": node}; its errors name numa
     if wanted == "off":
         return {s: None for s in stages}
     node_cpus = nodes(sysfs_root)
     if wanted == "auto":
         if len(node_cpus) <= 1:
             return {s: None for s in stages}
-        node = gpu_node(gpu, sysfs_root, proc_root, visible_devices)
-        if node is None or node not in node_cpus:
-            log.warning("numa=auto: the NUMA node of GPU %d is unknown; stages run unpinned "
-                        "(set numa to a node number to pin them)", gpu)
-            return {s: None for s in stages}
-        cpus = node_cpus[node] if allowed is None else sorted(set(node_cpus[node]) & set(allowed))
-        if not cpus:
-            log.warning("numa=auto: none of node %d's CPUs (%s, nearest GPU %d) is allowed to this "
-                        "process (%s); stages run unpinned", node, format_cpulist(node_cpus[node]), gpu,
-                        format_cpulist(allowed))
-            return {s: None for s in stages}
-        return {s: cpus for s in stages}
+        tower_gpus = tower_gpus or {}
+        near = {g: _near_gpu(g, node_cpus, sysfs_root, proc_root, visible_devices, allowed)
+                for g in sorted({gpu, *tower_gpus.values()})}
+        return {s: near[tower_gpus.get(s, gpu)] for s in stages}
     out = {}
     for stage in stages:
-        node = wanted.get(stage, wanted.get("*"))
+        node = wanted.get(stage, wanted.get(registry.kind_of(stage), wanted.get("*")))
         if node is None:
             out[stage] = None
             continue
@@ -189,10 +184,30 @@ def plan(setting: str, gpu: int, stages: list[str], sysfs_root: str = "/sys", *,
     return out
 
 
+def _near_gpu(gpu: int, node_cpus: dict[int, list[int]], sysfs_root: str, proc_root: str,
+              visible_devices: str | None, allowed: set[int] | None) -> list[int] | None:
+    """The allowed CPUs of GPU `gpu`'s node (numa=auto); None, with a warning, when unknown."""
+    node = gpu_node(gpu, sysfs_root, proc_root, visible_devices)
+    if node is None or node not in node_cpus:
+        log.warning("numa=auto: the NUMA node of GPU %d is unknown; its stages run unpinned "
+                    "(set numa to a node number to pin them)", gpu)
+        return None
+    cpus = node_cpus[node] if allowed is None else sorted(set(node_cpus[node]) & set(allowed))
+    if not cpus:
+        log.warning("numa=auto: none of node %d's CPUs (%s, nearest GPU %d) is allowed to this "
+                    "process (%s); its stages run unpinned", node, format_cpulist(node_cpus[node]), gpu,
+                    format_cpulist(allowed))
+        return None
+    return cpus
+
+
 def placement(cfg: WorkerConfig) -> dict[str, list[int] | None]:
-    """`plan()` for this machine, every stage, and this process's allowed CPUs."""
-    return plan(cfg.numa, cfg.gpu, STAGES, visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
-                allowed=os.sched_getaffinity(0))
+    """`plan()` for this machine, every stage, and this process's allowed CPUs; the stages
+    other than the towers go with the first replica's GPU."""
+    gpus = cfg.gpu_list()
+    return plan(cfg.numa, gpus[0], registry.stage_names(cfg.tower_replicas),
+                visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"), allowed=os.sched_getaffinity(0),
+                tower_gpus=dict(zip(registry.tower_names(cfg.tower_replicas), gpus)))
 
 
 def pin(cpus: list[int] | None) -> None:

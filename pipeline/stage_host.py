@@ -18,7 +18,7 @@ from pipeline.config import WorkerConfig, setup_logging
 from pipeline.host import Env, Loop, RingChannel
 from pipeline.runtime import SHUTTING_DOWN
 from stages.base import TableCustody
-from stages.registry import OWNERS
+from stages import registry
 
 log = logging.getLogger("epd.stage")
 
@@ -83,11 +83,11 @@ class StageHost:
         self.bell = shm.open_semaphore(bell_of(name))
         self.channel = RingChannel(
             {src: Ring.attach(p, run_id, wiring.ring_name(src, name), doorbell=bell_of(name))
-             for src in wiring.inputs_of(name)},
+             for src in wiring.inputs_of(name, cfg.tower_replicas)},
             {dst: Ring.attach(p, run_id, wiring.ring_name(name, dst), doorbell=bell_of(dst))
-             for dst in wiring.outputs_of(name)},
+             for dst in wiring.outputs_of(name, cfg.tower_replicas)},
             self.bell, self._beat)
-        self.custody = TableCustody(shared.rooms, OWNERS[name])
+        self.custody = TableCustody(shared.rooms, registry.owner_of(name))
         self.stage = self.env.build(name, self.channel.emitter(name), self.custody)
         self.loop = Loop([self.stage], self.channel, self.env.zmq_context)
         self.stage.start()  # picks up what a predecessor left

@@ -98,19 +98,19 @@ def read_run(prefix: str, run_id: str, pid: int) -> dict:
             out["mode"] = "inprocess"
             return out
         out["mode"] = "pipeline"
-        depth = Counter()
-        for src, dst in wiring.EDGES:
-            ring = Ring(segment(wiring.ring_name(src, dst)), _NoSemaphore(), _NoSemaphore(),
-                        (wiring.ring_name(src, dst), "", ""))
-            try:
-                depth[dst] += ring.depth()
-            finally:
-                ring.close()
-        hb = Heartbeats(segment("heartbeats"))
-        now = time.monotonic()
-        stages = {}
+        hb = Heartbeats(segment("heartbeats"))  # its rows say which stages the run has
         try:
-            for stage in registry.STAGES:
+            depth = Counter()
+            for src, dst in wiring.edges(registry.replicas_of(len(hb.stages))):
+                ring = Ring(segment(wiring.ring_name(src, dst)), _NoSemaphore(), _NoSemaphore(),
+                            (wiring.ring_name(src, dst), "", ""))
+                try:
+                    depth[dst] += ring.depth()
+                finally:
+                    ring.close()
+            now = time.monotonic()
+            stages = {}
+            for stage in hb.stages:
                 pid, beat, ready, restarts, busy = (float(x) for x in hb.row(stage)[:Heartbeats.CLOSE])
                 stages[stage] = {
                     "pid": int(pid), "alive": _pid_alive(int(pid)), "ready": bool(ready),

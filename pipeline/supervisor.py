@@ -1,12 +1,14 @@
 """The multi-process pipeline (`--mode pipeline`): one process per stage, and their supervisor.
 
 The supervisor owns every shared object: it creates them, starts the stages (in
-registry.START_ORDER: the others need the tower's spec), watches them (exit, or a
+registry.start_order: the others need the towers' spec), watches them (exit, or a
 heartbeat older than `heartbeat_timeout_s`: killed), and when one dies fails exactly
-the rooms it held, reclaims its arena references, and restarts it with backoff; the
-successor continues from its input rings and from what its predecessor left in shared
-memory (its `start()`). More than `restart_limit` restarts within `restart_window_s`
-end the run.
+the rooms it held, reclaims its arena references, writes its last words on its own
+rings (registry.last_words: a tower replica's tell the scheduler it is gone), and
+restarts it with backoff; the successor continues from its input rings and from what
+its predecessor left in shared memory (its `start()`). More than `restart_limit`
+restarts within `restart_window_s` end the run. Each tower replica is a stage of its
+own: it dies, is restarted and fails its rooms alone.
 """
 from __future__ import annotations
 
@@ -22,11 +24,12 @@ from ipc import shm
 from ipc.ring import Ring
 from pipeline import numa, wiring
 from pipeline.boards import Heartbeats, IntakeJournal, StatsBoard
-from pipeline.metrics import MetricsError, MetricsServer, Snapshot, StageTotals
+from pipeline.metrics import MetricsError, MetricsServer, Snapshot, StageTotals, merge_stats
 from pipeline.runtime import Runtime, StartError
 from pipeline.stage_host import stage_process
+from stages import registry
 from stages.records import RoomsLost
-from stages.registry import OWNERS, REQUEST_STAGE, STAGES, START_ORDER
+from stages.registry import REQUEST_STAGE
 
 log = logging.getLogger("epd.supervisor")
 
@@ -37,6 +40,9 @@ class PipelineError(StartError):
 
 class Supervisor(Runtime):
     def __init__(self, cfg):
+        cfg = cfg.resolved().validate()
+        self.stages = registry.stage_names(cfg.tower_replicas)
+        self.edges = wiring.edges(cfg.tower_replicas)
         placement = numa.placement(cfg)  # each stage's CPUs (None: unpinned)
         if any(placement.values()):
             log.info("NUMA placement: %s", ", ".join(f"{s} on CPUs {numa.format_cpulist(c)}" if c else
@@ -45,27 +51,27 @@ class Supervisor(Runtime):
         self._bells = []
         self.procs: dict[str, mp.Process] = {}
         self.restarts: deque = deque()
-        self.restart_counts = {name: 0 for name in STAGES}
+        self.restart_counts = {name: 0 for name in self.stages}
         self.pending_restart: dict[str, float] = {}
         self.fatal: str | None = None
         self.spec_kwargs: dict | None = None
         self._mp = mp.get_context("spawn")
         self.metrics: MetricsServer | None = None  # the Prometheus endpoint; .port is the one bound
-        self.totals = StageTotals(STAGES)
-        super().__init__(cfg, {"rings": len(wiring.EDGES) * cfg.ring_bytes}, placement)
+        self.totals = StageTotals(self.stages)
+        super().__init__(cfg, {"rings": len(self.edges) * cfg.ring_bytes}, placement)
         cfg, p, run_id = self.cfg, self.cfg.shm_prefix, self.run_id
         try:
-            for stage in STAGES:
+            for stage in self.stages:
                 name = shm.object_name(p, run_id, wiring.doorbell_name(stage))
                 self._bells.append((name, shm.create_semaphore(name)))
             self.rings = {}
-            for src, dst in wiring.EDGES:
+            for src, dst in self.edges:
                 self.rings[(src, dst)] = self.own(Ring.create(
                     p, run_id, wiring.ring_name(src, dst), cfg.ring_bytes,
                     doorbell=shm.object_name(p, run_id, wiring.doorbell_name(dst))))
-            self.hb = self.own(Heartbeats.create(p, run_id))
+            self.hb = self.own(Heartbeats.create(p, run_id, self.stages))
             self.journal = self.own(IntakeJournal.create(p, run_id))
-            self.stats_board = self.own(StatsBoard.create(p, run_id))
+            self.stats_board = self.own(StatsBoard.create(p, run_id, self.stages))
         except BaseException:
             self.close()
             raise
@@ -96,7 +102,7 @@ class Supervisor(Runtime):
                 except EOFError:
                     break
                 if kind == "ready":
-                    if self.spec_kwargs is None:  # the first stage started is the tower
+                    if self.spec_kwargs is None:  # the first stage started is a tower
                         self.spec_kwargs = payload
                     conn.close()
                     return
@@ -115,8 +121,9 @@ class Supervisor(Runtime):
                     self.metrics = MetricsServer(self.cfg.metrics_endpoint, self.metrics_snapshot, self.health)
                 except MetricsError as e:
                     raise PipelineError(str(e)) from None
-            for n, name in enumerate(START_ORDER, 1):
-                self.notifier.status(f"starting the {name} stage ({n} of {len(START_ORDER)})")
+            order = registry.start_order(self.cfg.tower_replicas)
+            for n, name in enumerate(order, 1):
+                self.notifier.status(f"starting the {name} stage ({n} of {len(order)})")
                 proc, conn = self._spawn(name)
                 self.procs[name] = proc
                 self._await_ready(name, proc, conn, self.cfg.start_timeout_s)
@@ -164,7 +171,7 @@ class Supervisor(Runtime):
         with self.totals.lock:  # its successor counts from zero: keep what it had counted
             self.totals.retire(name, self.stats_board.read(name))
             self.stats_board.write(name, {})
-        owner = OWNERS[name]
+        owner = registry.owner_of(name)
         bit = 1 << owner
         held = [(e.slot, e.room) for e in self.rooms.held_by(bit)]
         for slot, room in held:
@@ -174,6 +181,7 @@ class Supervisor(Runtime):
         log.error("the %s stage %s; failing the %d rooms it held: room=%s", name, why, len(held),
                   ",".join(str(room) for _, room in held[:20]) + (",..." if len(held) > 20 else ""))
         self.tell_reaper(RoomsLost(tuple(held), f"the {name} stage died while it held this room", died=name))
+        self._say_last_words(name)
         now = time.monotonic()
         self.restarts.append((now, name))
         while self.restarts and self.restarts[0][0] < now - self.cfg.restart_window_s:
@@ -202,7 +210,15 @@ class Supervisor(Runtime):
         log.warning("restarted the %s stage (pid %d, restart %d)", name, proc.pid, self.restart_counts[name])
         self.hb.row(name)[Heartbeats.RESTARTS] = self.restart_counts[name]
 
+    def _say_last_words(self, name: str) -> None:
+        """Push the dead stage's last words on its own rings: nobody else produces there
+        until its successor starts (its start() may have pushed already: these go after)."""
+        for dest, record in registry.last_words(name):
+            if not self.rings[(name, dest)].push(pickle.dumps(record, protocol=5), timeout=5.0):
+                log.error("the %s's ring from %s is full: could not deliver %s", dest, name, type(record).__name__)
+
     def _died_at_start(self, name: str) -> None:
+        self._say_last_words(name)
         now = time.monotonic()
         self.restarts.append((now, name))
         if len(self.restarts) > self.cfg.restart_limit:
@@ -213,7 +229,7 @@ class Supervisor(Runtime):
         # Into the ring whether or not the reaper is alive now: the ring outlives it, and a
         # successor continues from it (a RoomsLost dropped here would leave rooms whose
         # custody was just cleared live, held by nobody).
-        (dest,) = wiring.outputs_of("supervisor")
+        (dest,) = wiring.outputs_of("supervisor", self.cfg.tower_replicas)
         if not self.rings[("supervisor", dest)].push(pickle.dumps(record, protocol=5), timeout=5.0):
             log.error("the %s's ring is full: could not deliver %s", dest, type(record).__name__)
             return False
@@ -232,22 +248,23 @@ class Supervisor(Runtime):
     def stages_not_ready(self) -> list[str]:
         # On the metrics endpoint's thread: no is_alive(), whose waitpid would race the
         # loop's; a stage found dead is None in procs within a turn of the loop.
-        return [name for name in STAGES if self.procs.get(name) is None or not self.hb.row(name)[Heartbeats.READY]]
+        return [name for name in self.stages
+                if self.procs.get(name) is None or not self.hb.row(name)[Heartbeats.READY]]
 
     # ------------------------------------------------------------ state
     def stats(self) -> dict:
-        out = self.stats_board.read_all()
+        out = merge_stats({stage: self.stats_board.read(stage) for stage in self.stages})
         out["restarts"] = dict(self.restart_counts)
         return out
 
     def metrics_snapshot(self) -> Snapshot:
         """What the metrics endpoint reports; called on its thread at every scrape."""
         with self.totals.lock:
-            stats = {s: self.totals.seen(s, self.stats_board.read(s)) for s in STAGES}
+            stats = {s: self.totals.seen(s, self.stats_board.read(s)) for s in self.stages}
             totals = self.totals.total()
         now = time.monotonic()
         stages = {}
-        for stage in STAGES:
+        for stage in self.stages:
             row = self.hb.row(stage)
             stages[stage] = {
                 "ring_depth": sum(ring.depth() for (_, dst), ring in self.rings.items() if dst == stage),
@@ -272,7 +289,7 @@ class Supervisor(Runtime):
         return row[Heartbeats.CLOSED] >= row[Heartbeats.CLOSE]
 
     def settled(self) -> bool:
-        (dest,) = wiring.outputs_of("supervisor")
+        (dest,) = wiring.outputs_of("supervisor", self.cfg.tower_replicas)
         return not any(ring.depth() for (src, dst), ring in self.rings.items() if dest in (src, dst))
 
     def stop_all(self) -> None:

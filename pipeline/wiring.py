@@ -15,9 +15,10 @@ from ipc.rooms import RoomTable
 from ipc.told import ToldTable
 from pipeline import numa
 from pipeline.config import WorkerConfig
+from stages import registry
 
 
-# (producer, consumer): one single-producer single-consumer ring each.
+# (producer, consumer) between stage kinds; `edges()` gives each tower replica its own.
 EDGES = [
     # items first: they are on the critical path (the sender holds an item that
     # overtakes its room's RoomOpened until the room arrives)
@@ -31,12 +32,19 @@ EDGES = [
 ]
 
 
-def inputs_of(stage: str) -> list[str]:
-    return [p for p, c in EDGES if c == stage]
+def edges(replicas: int) -> list[tuple[str, str]]:
+    """(producer, consumer) with `replicas` towers: one single-producer single-consumer ring each."""
+    towers = registry.tower_names(replicas)
+    expand = lambda stage: towers if stage == registry.TOWER else [stage]  # noqa: E731
+    return [(p, c) for src, dst in EDGES for p in expand(src) for c in expand(dst)]
 
 
-def outputs_of(stage: str) -> list[str]:
-    return [c for p, c in EDGES if p == stage]
+def inputs_of(stage: str, replicas: int) -> list[str]:
+    return [p for p, c in edges(replicas) if c == stage]
+
+
+def outputs_of(stage: str, replicas: int) -> list[str]:
+    return [c for p, c in edges(replicas) if p == stage]
 
 
 def ring_name(producer: str, consumer: str) -> str:
@@ -116,13 +124,15 @@ def create_shared(cfg: WorkerConfig, run_id: str, own, placement: dict | None = 
 
     With `placement` (stage -> CPUs), each arena is made on the CPUs of the stage that
     writes most into it: a page lands on the node of the CPU that first touches it
-    (posix_fallocate, at creation)."""
+    (posix_fallocate, at creation). The embedding arena is cut in one slice per tower
+    replica, each touched on its replica's CPUs."""
     placement = placement or {}
     p = cfg.shm_prefix
     with numa.first_touch(placement.get("intake")):
         pixel_arena = own(Arena.create(p, run_id, "pixels", cfg.pixel_arena_bytes))
-    with numa.first_touch(placement.get("tower")):
-        emb_arena = own(Arena.create(p, run_id, "emb", cfg.embedding_arena_bytes))
+    towers = registry.tower_names(cfg.tower_replicas)
+    emb_arena = own(Arena.create(p, run_id, "emb", cfg.embedding_arena_bytes, slices=len(towers),
+                                 touch=lambda k: numa.first_touch(placement.get(towers[k]))))
     return Shared(pixel_arena, emb_arena, own(RoomTable.create(p, run_id, "rooms", room_capacity(cfg))),
                   own(ReceiverTable.create(p, run_id, "receivers")),
                   own(ToldTable.create(p, run_id, "told", told_capacity(cfg), cfg.max_items_per_request)))

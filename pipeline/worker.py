@@ -1,7 +1,10 @@
 """The reference design (`--mode inprocess`): every stage object in one process, one loop.
 
 The same stage objects run in the multi-process pipeline; here records move from
-one to the next through a local queue, in the order they were emitted.
+one to the next through a local queue, in the order they were emitted. Tower
+replicas are more tower stages in the same loop, each with its own tower (and GPU):
+a tower stage never waits for its device (it starts a job and polls it), so one loop
+keeps several devices busy as it keeps one.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import time
 
 from pipeline import wiring
 from pipeline.host import Env, Loop, QueueChannel
-from pipeline.metrics import MetricsServer, Snapshot, Totals, totals_of
+from pipeline.metrics import MetricsServer, Snapshot, Totals, merge_stats, totals_of
 from pipeline.runtime import Runtime
 from stages import registry
 
@@ -30,7 +33,7 @@ class Worker(Runtime):
         self.channel = QueueChannel()
         self.notifier.status("starting the stages")
         try:
-            for name in registry.STAGES:
+            for name in registry.stage_names(self.cfg.tower_replicas):
                 self.stages[name] = self.env.build(name, self.channel.emitter(name), None)
             self.channel.stages = self.stages
             self.spec = self.env.spec
@@ -70,7 +73,7 @@ class Worker(Runtime):
         return self.loop.read_to_the_end(self.stages[registry.REQUEST_STAGE])
 
     def tell_reaper(self, record) -> bool:
-        (dest,) = wiring.outputs_of("supervisor")  # what the supervisor says goes to the reaper
+        (dest,) = wiring.outputs_of("supervisor", self.cfg.tower_replicas)  # the supervisor's word goes to the reaper
         reaper = self.stages[dest]
         reaper.handle("supervisor", record)
         self.loop.settle(reaper)
@@ -84,10 +87,7 @@ class Worker(Runtime):
 
     # ------------------------------------------------------------ state
     def stats(self) -> dict:
-        out = {}
-        for stage in self.stages.values():
-            out.update(stage.stats())
-        return out
+        return merge_stats({name: stage.stats() for name, stage in self.stages.items()})
 
     def metrics_snapshot(self) -> Snapshot:
         """What the metrics endpoint reports; called on its thread at every scrape."""

@@ -6,9 +6,10 @@ from dataclasses import replace
 
 from ipc.arena import Arena, Lease, StaleLease
 from ipc.wire import content_hash
+from stages import registry
 from stages.embedding_cache import EmbeddingCache, InflightMisses
 from stages.base import Stage
-from stages.records import (OWNER_CACHE, OWNER_INTAKE, OWNER_TOWER, Encoded, EncodeFailed, ReadyItem, RoomAbandoned,
+from stages.records import (OWNER_CACHE, OWNER_INTAKE, Encoded, EncodeFailed, ReadyItem, RoomAbandoned,
                             RoomFailure, SpaceWanted, WorkItem)
 
 
@@ -160,9 +161,9 @@ class CacheStage(Stage):
                 self._item(rec)
             case Encoded(item=w):
                 try:
-                    self.emb_arena.transfer(w.out, OWNER_TOWER, OWNER_CACHE)
+                    self.emb_arena.transfer(w.out, registry.owner_of(source), OWNER_CACHE)
                 except StaleLease:
-                    self._encode_failed(w, "embedding was lost (tower died)", {w.room})
+                    self._encode_failed(w, f"embedding was lost ({source} died)", {w.room})
                     return
                 for ready in self.hc.on_encoded(w):  # waiters, in our custody
                     self.emit("sender", ready)
@@ -220,7 +221,7 @@ class CacheStage(Stage):
             self.custody.release(again.slot, again.room)
 
 
-def build(env, emit, custody) -> CacheStage:
+def build(env, name, emit, custody) -> CacheStage:
     cfg, spec, sh = env.cfg, env.spec, env.shared
     cache = EmbeddingCache(sh.emb_arena, OWNER_CACHE, cfg.arena_cache_bytes, cfg.host_cache_bytes)
     hc = HashCache(pixel_arena=sh.pixel_arena, cache=cache, hidden=spec.hidden, dtype=spec.dtype,

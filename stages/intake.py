@@ -359,7 +359,7 @@ class IntakeStage(Stage):
                 "requests": dict(self.intake.requests)}
 
 
-def build(env, emit, custody) -> IntakeStage:
+def build(env, name, emit, custody) -> IntakeStage:
     cfg, spec = env.cfg, env.spec
     intake = Intake(prefix=cfg.shm_prefix, run_id=env.run_id, pixel_arena=env.shared.pixel_arena,
                     rooms=env.shared.rooms, patch_dim=spec.patch_dim, merge=spec.merge,

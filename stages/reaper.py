@@ -406,7 +406,7 @@ class ReaperStage(Stage):
         self.reaper.pusher.close()
 
 
-def build(env, emit, custody) -> ReaperStage:
+def build(env, name, emit, custody) -> ReaperStage:
     cfg, sh = env.cfg, env.shared
     return ReaperStage(emit, rooms=sh.rooms, told=sh.told, receivers=sh.receivers,
                        pusher=StatusPusher(env.zmq_context, cfg.status_hwm),

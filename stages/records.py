@@ -4,20 +4,22 @@ Records are small immutable values: pixels and rows stay in the arenas, a record
 carries leases into them. A stage handles its records with `match`. The same
 values travel through an in-memory queue (one process) or a shared-memory ring
 (one process per stage, pickled). "supervisor" is the runtime around the stages
-(the supervisor process, or the in-process worker's own loop).
+(the supervisor process, or the in-process worker's own loop); "tower" is every
+tower replica (stages/registry.py), and a tower's records to the scheduler name it.
 
 | record | from | to | carries |
 | --- | --- | --- | --- |
 | RoomOpened | intake | sender, reaper | an accepted room: its slot, request id, each item's span, deadline |
 | WorkItem | intake | cache | one item: its pixels in the pixel arena, grid, dtype, span |
 | WorkItem | cache | scheduler | a miss (its cache key set), to be encoded |
-| Batch | scheduler | tower | the items of one tower batch, output space reserved in the embedding arena |
+| Batch | scheduler | tower | the items of one tower batch, output space reserved in the embedding arena, to the replica with the most credit |
 | ReadyItem | tower | sender | a fresh item's rows in the embedding arena |
 | ReadyItem | cache | sender | a cache hit's rows, or a waiter served by an identical item's encode |
 | Encoded | tower | cache | the encoded item, so the cache keeps its rows and serves its waiters |
 | EncodeFailed | tower | cache | the item the tower failed on, with the reason and the batch's rooms |
-| TowerCredit | tower | scheduler | one batch finished: the scheduler may send another |
+| TowerCredit | tower | scheduler | one batch finished: the scheduler may send that replica another |
 | TowerRestarted | tower | scheduler | a new tower process: credits of batches its predecessor held are gone |
+| TowerDown | tower | scheduler | the replica died (the supervisor writes it on the dead one's ring): no batches to it until it is back |
 | SpaceWanted | scheduler | cache | the next batch finds no room in the embedding arena: give cached rows back |
 | RoomFailure | intake | reaper | a request that broke a rule |
 | RoomFailure | cache | reaper | pixels lost, or the tower failed on a room's item |
@@ -106,12 +108,17 @@ class EncodeFailed:
 
 @dataclass(frozen=True, slots=True)
 class TowerCredit:
-    pass
+    replica: int
 
 
 @dataclass(frozen=True, slots=True)
 class TowerRestarted:
-    pass
+    replica: int
+
+
+@dataclass(frozen=True, slots=True)
+class TowerDown:
+    replica: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,9 +29,10 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 from ipc.arena import ArenaFull, Lease, StaleLease
+from stages import registry
 from stages.base import POLL_S, Stage
 from stages.records import (OWNER_CACHE, OWNER_SCHEDULER, Batch, RoomAbandoned, RoomFailure, SpaceWanted,
-                            TowerCredit, TowerRestarted, WorkItem)
+                            TowerCredit, TowerDown, TowerRestarted, WorkItem)
 
 
 @dataclass(frozen=True, order=True)
@@ -141,24 +142,28 @@ SPACE_WANTED_EVERY_S = 0.2
 
 
 class SchedulerStage(Stage):
-    """Misses from the cache in; batches to the tower, at most `depth` outstanding.
+    """Misses from the cache in; batches to the tower replicas, at most `depth` outstanding each.
 
-    The tower hands a credit back for every batch it finishes, so batches wait here
-    (FIFO, their output space not yet reserved) rather than in the tower's ring.
+    A tower hands a credit back for every batch it finishes, so batches wait here
+    (FIFO, their output space not yet reserved) rather than in a tower's ring. Each
+    batch goes to the replica with the most credit left (the lowest number on a tie),
+    so the batches and where they go follow from the arrivals and the completions
+    alone. A replica that died has none until its successor announces itself.
     """
 
     name = "scheduler"
     owner = OWNER_SCHEDULER
 
     def __init__(self, emit, scheduler: Scheduler, *, pixel_arena, emb_arena, entry_bytes,
-                 custody=None, depth: int = 2):
+                 custody=None, depth: int = 2, towers: tuple[str, ...] = (registry.TOWER,)):
         super().__init__(emit, custody)
         self.scheduler = scheduler
         self.pixel_arena = pixel_arena
         self.emb_arena = emb_arena
         self.entry_bytes = entry_bytes  # span -> bytes of the item's rows
         self.depth = depth
-        self.credits = depth
+        self.towers = list(towers)  # stage names, by replica number
+        self.credits = [depth] * len(self.towers)
         self.reserved: dict[tuple[int, int], Lease] = {}  # (room, item) -> output space, for the batch at hand
         self.short_of = 0  # bytes the batch at the head could not reserve
         self.wanted_at = float("-inf")
@@ -175,12 +180,17 @@ class SchedulerStage(Stage):
                     self.custody.release(w.slot, w.room)
                     return
                 self.scheduler.add(Pending(w.seq, w.room, w.item, w.span, w))
-            case TowerRestarted():
+            case TowerRestarted(replica=k):
                 # The batches its predecessor held died with it and will hand no credit back.
                 # Those still in the ring will: a cap of `depth` keeps them from adding up.
-                self.credits = self.depth
-            case TowerCredit():
-                self.credits = min(self.credits + 1, self.depth)
+                self.credits[k] = self.depth
+            case TowerCredit(replica=k):
+                self.credits[k] = min(self.credits[k] + 1, self.depth)
+            case TowerDown(replica=k):
+                # Behind every credit of the dead one, ahead of its successor's TowerRestarted
+                # (both on its ring): none reaches a replica that is restarting. Batches already
+                # in its ring wait for the successor.
+                self.credits[k] = 0
             case RoomAbandoned(room=room):
                 for p in self.scheduler.remove_room(room):
                     self._release_leases(p.payload)
@@ -215,13 +225,14 @@ class SchedulerStage(Stage):
 
     def tick(self, now: float) -> None:
         self.short_of = 0
-        while self.credits > 0:
+        while max(self.credits) > 0:
             batch = self.scheduler.next_batch(self._reserve)
             if not batch:
                 break
-            self.credits -= 1
+            k = self.credits.index(max(self.credits))
+            self.credits[k] -= 1
             items = tuple(replace(p.payload, out=self.reserved.pop((p.room, p.item))) for p in batch)
-            self.emit("tower", Batch(items))
+            self.emit(self.towers[k], Batch(items))
             for w in items:
                 self.custody.release(w.slot, w.room)
         if self.short_of and now - self.wanted_at >= SPACE_WANTED_EVERY_S:
@@ -232,14 +243,15 @@ class SchedulerStage(Stage):
 
     def next_tick_in(self, now: float) -> float | None:
         # Items wait for a credit (the tower's answer wakes us) or for embedding space (poll).
-        return POLL_S if self.credits > 0 and len(self.scheduler) > 0 else None
+        return POLL_S if max(self.credits) > 0 and len(self.scheduler) > 0 else None
 
     def stats(self) -> dict:
         return {"scheduler_pending": len(self.scheduler), "scheduler_pending_tokens": self.scheduler.pending_tokens()}
 
 
-def build(env, emit, custody) -> SchedulerStage:
+def build(env, name, emit, custody) -> SchedulerStage:
     cfg, spec, sh = env.cfg, env.spec, env.shared
     return SchedulerStage(emit, Scheduler(cfg.max_tokens_per_batch, cfg.max_items_per_batch),
                           pixel_arena=sh.pixel_arena, emb_arena=sh.emb_arena,
-                          entry_bytes=lambda span: span * spec.row_bytes, custody=custody)
+                          entry_bytes=lambda span: span * spec.row_bytes, custody=custody,
+                          towers=tuple(registry.tower_names(cfg.tower_replicas)))

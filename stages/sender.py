@@ -19,8 +19,9 @@ from ipc.rooms import RoomState, RoomTable
 from ipc import wire
 from ipc.stats import Histogram
 from ipc.wire import Alloc, Cancel, ProtocolError, Register
+from stages import registry
 from stages.base import POLL_S, Stage
-from stages.records import (OWNER_CACHE, OWNER_SENDER, OWNER_TOWER, AllocSeen, Fence, Fenced, ItemDone, LateAlloc,
+from stages.records import (OWNER_SENDER, AllocSeen, Fence, Fenced, ItemDone, LateAlloc,
                             ReadyItem, Registered, RoomFailure, RoomOpened, RoomSucceeded, ShardWritten,
                             UnknownRoom)
 
@@ -137,15 +138,14 @@ class Sender:
         for r in self.early.pop(opened.room, []):
             self._adopt(r)
 
-    def on_ready(self, r: ReadyItem, now: float | None = None, from_owner: int = OWNER_CACHE) -> None:
-        """Takes over the reference on r.lease that its producer (cache or tower) holds."""
+    def on_ready(self, r: ReadyItem, now: float | None = None, source: str = "cache") -> None:
+        """Takes over the reference on r.lease that its producer (the cache or a tower) holds."""
         try:
-            self.arena.transfer(r.lease, from_owner, OWNER_SENDER)
+            self.arena.transfer(r.lease, registry.owner_of(source), OWNER_SENDER)
         except StaleLease:
             tx = self.live.get(r.room)
             if tx is not None:
-                who = "tower" if from_owner == OWNER_TOWER else "cache"
-                self._fail(r.room, tx, f"embedding was lost before it could be sent ({who} died)")
+                self._fail(r.room, tx, f"embedding was lost before it could be sent ({source} died)")
             return
         tx = self.live.get(r.room)
         if tx is None:
@@ -461,7 +461,7 @@ class SenderStage(Stage):
                 for _ in range(early):  # now covered by the room, or released with it
                     self.custody.release(rec.slot, rec.room)
             case ReadyItem():
-                s.on_ready(rec, from_owner=OWNER_TOWER if source == "tower" else OWNER_CACHE)
+                s.on_ready(rec, source=source)
                 if rec in s.early.get(rec.room, ()):  # held until its room arrives: ours meanwhile
                     self.custody.hold(rec.slot, rec.room)
             case Fence(room=room):
@@ -510,7 +510,7 @@ class SenderStage(Stage):
                 "transfer_seconds": s.transfer_seconds.snapshot(), "transfer_failures": s.transfer_failures}
 
 
-def build(env, emit, custody) -> SenderStage:
+def build(env, name, emit, custody) -> SenderStage:
     cfg, spec, sh = env.cfg, env.spec, env.shared
     sender = Sender(arena=sh.emb_arena, engine=env.engine, rooms=sh.rooms, registrations=sh.receivers,
                     hidden=spec.hidden, dtype=spec.dtype, deepstack_width=spec.deepstack_width,

@@ -11,8 +11,9 @@ from dataclasses import replace
 from ipc.arena import StaleLease
 from ipc.rooms import RoomState
 from ipc.stats import Histogram
+from stages import registry
 from stages.base import POLL_S, Stage
-from stages.records import (OWNER_SCHEDULER, OWNER_TOWER, Batch, Encoded, EncodeFailed, ReadyItem, RoomFailure,
+from stages.records import (OWNER_SCHEDULER, Batch, Encoded, EncodeFailed, ReadyItem, RoomFailure,
                             TowerCredit, TowerRestarted, WorkItem)
 from stages.towers import Tower, TowerError, TowerItem, TowerJob, numpy_dtype
 from stages.towers.base import DoneJob, TimedJob
@@ -27,13 +28,15 @@ class TowerStage(Stage):
     out in order as jobs finish. Pixels are dropped once the batch is done; the
     item's output lease travels on to the sender and the cache, which take it over.
     The tower itself belongs to whoever built it (pipeline/host.py's Env closes it).
+    `name` is the replica's stage name (stages/registry.py), which gives its owner number.
     """
 
-    name = "tower"
-    owner = OWNER_TOWER
-
-    def __init__(self, emit, tower: Tower, *, pixel_arena, emb_arena, rooms, custody=None):
+    def __init__(self, emit, tower: Tower, *, pixel_arena, emb_arena, rooms, custody=None,
+                 name: str = registry.TOWER):
         super().__init__(emit, custody)
+        self.name = name
+        self.replica = registry.replica_of(name)
+        self.owner = registry.owner_of(name)
         self.tower = tower
         self.pixel_arena = pixel_arena
         self.emb_arena = emb_arena
@@ -50,7 +53,7 @@ class TowerStage(Stage):
 
     def start(self) -> None:
         # Credits for batches a predecessor held died with it.
-        self.emit("scheduler", TowerRestarted())
+        self.emit("scheduler", TowerRestarted(self.replica))
 
     def handle(self, source: str, rec) -> None:
         match rec:
@@ -83,7 +86,7 @@ class TowerStage(Stage):
             live.append(w)
             self.rooms.advance(w.slot, w.room, RoomState.ENCODING)
         if not live:
-            self.emit("scheduler", TowerCredit())
+            self.emit("scheduler", TowerCredit(self.replica))
             return
         self.batches += 1
         self.items += len(live)
@@ -122,7 +125,7 @@ class TowerStage(Stage):
                     self.emb_arena.drop(w.out, self.owner)
                     self.emit("cache", EncodeFailed(replace(w, out=None), error, rooms))
                 self.custody.release(w.slot, w.room)
-            self.emit("scheduler", TowerCredit())
+            self.emit("scheduler", TowerCredit(self.replica))
 
     def next_tick_in(self, now: float) -> float | None:
         """When the oldest job may be done: the sim tower can tell; a device is polled."""
@@ -152,7 +155,7 @@ class TowerStage(Stage):
                 pass
 
 
-def build(env, emit, custody) -> TowerStage:
+def build(env, name, emit, custody) -> TowerStage:
     sh = env.shared
-    return TowerStage(emit, env.tower, pixel_arena=sh.pixel_arena, emb_arena=sh.emb_arena, rooms=sh.rooms,
-                      custody=custody)
+    return TowerStage(emit, env.tower(registry.replica_of(name)), pixel_arena=sh.pixel_arena,
+                      emb_arena=sh.emb_arena, rooms=sh.rooms, custody=custody, name=name)

@@ -47,16 +47,17 @@ def test_run_py_bench_runs_the_small_scenario():
 
 
 def test_gpu_bench_runs_its_logic_on_cpu(tmp_path):
-    """benchmarks/gpu.py --device cpu --tiny: the checkpoint of random weights, both
-    workers on it, the tower alone on the scheduler's batches, the ratios (not asserted)."""
+    """benchmarks/gpu.py --device cpu --tiny --replicas 2: the checkpoint of random weights,
+    both workers on it, the tower alone on the scheduler's batches, the pipeline with two
+    tower replicas, the ratios (not asserted)."""
     out = tmp_path / "gpu.json"
     p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu.py"), "--device", "cpu", "--tiny",
-                        "--images", "24", "--trials", "1", "--json", str(out)],
+                        "--images", "24", "--trials", "1", "--replicas", "2", "--json", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["failed_rooms"] == 0 and r["violations"] == 0
-    for key in ("pipeline_vs_tower_alone", "inprocess_vs_tower_alone"):
+    for key in ("pipeline_vs_tower_alone", "inprocess_vs_tower_alone", "replicas2_vs_one"):
         assert r[key] > 0
     assert "pipeline_vs_tower_alone = " in p.stdout
 

@@ -25,7 +25,8 @@ def test_defaults_alone():
     assert cfg == WorkerConfig().resolved()
     assert sources["run_dir"] == "derived from shm_prefix"
     assert sources["intake"] == "derived from run_dir"
-    assert {s for k, s in sources.items() if k not in ("run_dir", "intake")} == {"default"}
+    assert sources["gpus"] == "derived from gpu and tower_replicas" and cfg.gpus == "0"
+    assert {s for k, s in sources.items() if k not in ("run_dir", "intake", "gpus")} == {"default"}
 
 
 def test_precedence_file_env_flag_with_sources(tmp_path):
@@ -131,7 +132,8 @@ def test_invalid_value_names_the_key_and_its_source(tmp_path):
     ("numa", "tower=x"), ("numa", "towr=1"), ("numa", "tower=1,tower=2"), ("numa", "-1"),
     ("tower", "clip"), ("tower_config", "/nonexistent/checkpoint"), ("sim_dtype", "int8"),
     ("bootstrap", "ipc:///tmp/x"), ("intake", "udp://x"),
-    ("shm_prefix", "a/b"), ("max_live_rooms", 0), ("drain_timeout_s", -1.0), ("arena_cache_bytes", 1 << 40),
+    ("shm_prefix", "a/b"), ("max_live_rooms", 0), ("tower_replicas", 0), ("tower_replicas", 9),
+    ("gpus", "0,1"), ("gpus", "x"), ("drain_timeout_s", -1.0), ("arena_cache_bytes", 1 << 40),
 ])
 def test_validate_names_the_key(key, value):
     with pytest.raises(ConfigError) as e:

@@ -22,7 +22,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ipc import shm
-from ipc import wire
 from pipeline.client import Client, Item
 from pipeline.receiver import Receiver
 from tests.helpers import PATCH_DIM, expected_sim_rows, image, sim_config, start_worker

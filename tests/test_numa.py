@@ -13,7 +13,7 @@ from pipeline.config import ConfigError
 from stages import registry
 from tests.helpers import fork_call, sim_config, wait_child
 
-STAGES = registry.STAGES
+STAGES = registry.stage_names(1)
 
 
 def fake_machine(root, node_cpus: dict[int, str], gpus=(), *, nvidia_proc=True, nvswitches=()):
@@ -88,6 +88,19 @@ def test_two_nodes_auto_follows_the_gpu(tmp_path):
     assert numa.plan("auto", 0, STAGES, sysfs, proc_root=proc) == {s: node(TWO_NODES, 0) for s in STAGES}
     # a GPU index with no GPU behind it: unknown node, unpinned
     assert numa.plan("auto", 5, STAGES, sysfs, proc_root=proc) == {s: None for s in STAGES}
+
+
+def test_auto_puts_each_tower_replica_on_its_gpus_node(tmp_path):
+    sysfs, proc = fake_machine(tmp_path, TWO_NODES, TWO_GPUS)
+    stages = registry.stage_names(3)
+    got = numa.plan("auto", 1, stages, sysfs, proc_root=proc, tower_gpus={"tower0": 1, "tower1": 0, "tower2": 5})
+    assert got == {**{s: node(TWO_NODES, 1) for s in stages}, "tower1": node(TWO_NODES, 0), "tower2": None}
+    # "tower" names every replica; a replica's own name wins
+    got = numa.plan("tower=1,tower2=0,*=0", 0, stages, sysfs, proc_root=proc)
+    assert got == {**{s: node(TWO_NODES, 0) for s in stages}, "tower0": node(TWO_NODES, 1),
+                   "tower1": node(TWO_NODES, 1)}
+    with pytest.raises(ConfigError, match="numa names no stage 'tower3'"):
+        numa.plan("tower3=1", 0, stages, sysfs, proc_root=proc)
 
 
 def test_gpu_node_from_the_driver_directory_skips_nvswitches(tmp_path):

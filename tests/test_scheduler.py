@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 from ipc import shm
 from ipc.arena import Arena
-from stages.records import OWNER_CACHE, OWNER_SCHEDULER, RoomAbandoned, TowerCredit, TowerRestarted, WorkItem
+from stages.records import (OWNER_CACHE, OWNER_SCHEDULER, RoomAbandoned, TowerCredit, TowerDown, TowerRestarted,
+                            WorkItem)
 from stages.scheduler import Pending, Scheduler, SchedulerStage
 
 budgets = st.tuples(st.integers(1, 64), st.integers(1, 8))
@@ -261,17 +262,82 @@ def test_restarted_tower_gives_credits_back_and_late_credits_stay_capped(arenas)
                                        pixels=pixel_arena.alloc(4, OWNER_CACHE)))
     assert flowed() == depth
     assert flowed() == 0, "no credits: both batches are out"
-    stage.handle("tower", TowerRestarted())  # both batches died with the old tower
+    stage.handle("tower", TowerRestarted(0))  # both batches died with the old tower
     assert flowed() == depth, "a restarted tower holds no batch: all credits are back"
 
     # Both out again; the tower restarts once more, but it had finished them just before
     # it died: their credits arrive after the reset.
-    stage.handle("tower", TowerRestarted())
+    stage.handle("tower", TowerRestarted(0))
     for _ in range(depth):
-        stage.handle("tower", TowerCredit())
-    assert stage.credits == depth
+        stage.handle("tower", TowerCredit(0))
+    assert stage.credits == [depth]
     assert flowed() == depth, "never more than depth batches out"
 
     stage.handle("reaper", RoomAbandoned(1))  # drops what is still queued
     assert len(stage.scheduler) == 0
     assert pixel_arena.live_leases() == [] and emb_arena.live_leases() == [], "leases leaked"
+
+
+def _replica_rig(arenas, towers, sent):
+    pixel_arena, emb_arena = arenas
+    stage = SchedulerStage(lambda dest, rec: sent.append((dest, rec)),
+                           Scheduler(max_tokens_per_batch=100, max_items_per_batch=1),
+                           pixel_arena=pixel_arena, emb_arena=emb_arena, entry_bytes=lambda span: 64 * span,
+                           custody=None, depth=2, towers=towers)
+    for i in range(12):
+        stage.handle("cache", WorkItem(slot=0, room=1, item=i, seq=i, modality="image", grid_thw=[[1, 1, 1]],
+                                       pixel_dtype="float32", n_patches=1, patch_dim=1, span=1,
+                                       pixels=pixel_arena.alloc(4, OWNER_CACHE)))
+    return stage
+
+
+def _drop_sent(arenas, sent) -> list[tuple[str, int]]:
+    """(tower, item) of each batch sent, its leases given back (the tower's part)."""
+    pixel_arena, emb_arena = arenas
+    out = []
+    for dest, batch in sent:
+        for w in batch.items:
+            pixel_arena.drop(w.pixels, OWNER_SCHEDULER)
+            emb_arena.drop(w.out, OWNER_SCHEDULER)
+            out.append((dest, w.item))
+    sent.clear()
+    return out
+
+
+def test_batches_go_to_the_replica_with_most_credit_and_none_to_one_that_is_down(arenas):
+    towers = ("tower0", "tower1", "tower2")
+    sent = []
+    stage = _replica_rig(arenas, towers, sent)
+    stage.tick(0.0)
+    # most credit first, the lowest number on a tie: round the replicas, twice
+    assert _drop_sent(arenas, sent) == [(towers[i % 3], i) for i in range(6)]
+    stage.handle("tower1", TowerCredit(1))
+    stage.handle("tower2", TowerCredit(2))
+    stage.handle("tower2", TowerCredit(2))
+    stage.tick(0.0)
+    assert _drop_sent(arenas, sent) == [("tower2", 6), ("tower1", 7), ("tower2", 8)]
+    stage.handle("tower0", TowerCredit(0))
+    stage.handle("tower0", TowerDown(0))  # died: its credit is gone with it
+    stage.handle("tower1", TowerCredit(1))
+    stage.tick(0.0)
+    assert _drop_sent(arenas, sent) == [("tower1", 9)]
+    stage.handle("tower0", TowerRestarted(0))  # its successor is up
+    stage.tick(0.0)
+    assert _drop_sent(arenas, sent) == [("tower0", 10), ("tower0", 11)]
+    assert arenas[0].live_leases() == [] and arenas[1].live_leases() == [], "leases leaked"
+
+
+def test_replica_choice_is_deterministic(arenas):
+    """The same arrivals and the same completions give the same batches to the same replicas."""
+    runs = []
+    for _ in range(2):
+        sent = []
+        stage = _replica_rig(arenas, ("tower0", "tower1"), sent)
+        got = []
+        for k in range(6):
+            stage.tick(0.0)
+            got += _drop_sent(arenas, sent)
+            stage.handle(f"tower{k % 2}", TowerCredit(k % 2))
+        stage.handle("reaper", RoomAbandoned(1))
+        runs.append(got)
+    assert runs[0] == runs[1] and len(runs[0]) == 9

@@ -248,9 +248,9 @@ def test_stages_exit_when_the_supervisor_is_killed(shm_prefix, tmp_path):
     try:
         run_id = run_id_of(shm_prefix)
         hb = Heartbeats.attach(shm_prefix, run_id)
-        stage_pids = {int(hb.row(s)[Heartbeats.PID]) for s in registry.STAGES}
+        stage_pids = {int(hb.row(s)[Heartbeats.PID]) for s in registry.stage_names(1)}
         hb.close()
-        assert len(stage_pids) == len(registry.STAGES) and all(psutil.pid_exists(p) for p in stage_pids)
+        assert len(stage_pids) == len(registry.stage_names(1)) and all(psutil.pid_exists(p) for p in stage_pids)
         left = set(shm.list_objects(shm_prefix))
         proc.kill()  # the supervisor only
         proc.wait(30)
