@@ -23,11 +23,11 @@ import msgpack
 import numpy as np
 
 from . import shm
-from .wire import Alloc
+from .wire import MAX_ID_CHARS, Alloc
 
 __all__ = ["HeldAllocs"]
 
-BODY = 1024  # an alloc's fields: a receiver id of MAX_ID_CHARS and a dozen numbers
+BODY = 4 * MAX_ID_CHARS + 128  # an alloc: a receiver id of MAX_ID_CHARS in UTF-8 and a dozen numbers
 _HEAD = struct.Struct("<dH")  # held since (time.monotonic()), body length
 _SLOT = _HEAD.size + BODY
 _HDR = 64
@@ -96,12 +96,12 @@ class HeldAllocs:
         return out
 
     def put(self, since: float, alloc: Alloc) -> int | None:
-        """Hold `alloc`; its slot, or None when every slot is taken (or it cannot fit)."""
+        """Hold `alloc`; its slot, or None when every slot is taken."""
         if self._free is None:
             self.load()
-        body = msgpack.packb(astuple(alloc))
-        if not self._free or len(body) > BODY:
+        if not self._free:
             return None
+        body = msgpack.packb(astuple(alloc))
         slot = self._free.pop()
         at = self._slots0 + slot * _SLOT
         _HEAD.pack_into(self._seg.buf, at, since, len(body))

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 from ipc.arena import Arena
+from ipc.held import HeldAllocs
 from ipc.receivers import ReceiverTable
 from ipc.rooms import RoomTable
 from ipc.told import ToldTable
@@ -62,9 +63,10 @@ class Shared:
     rooms: RoomTable
     receivers: ReceiverTable  # registrations: written by the sender, read by it and the reaper
     told: ToldTable           # statuses the reaper recorded before it sent them
+    held: HeldAllocs          # allocs the sender holds for rooms it has not seen yet
 
     def close(self) -> None:
-        for obj in (self.pixel_arena, self.emb_arena, self.rooms, self.receivers, self.told):
+        for obj in (self.pixel_arena, self.emb_arena, self.rooms, self.receivers, self.told, self.held):
             obj.close()
 
 
@@ -115,8 +117,9 @@ def told_capacity(cfg: WorkerConfig) -> int:
 
 
 def tables_bytes(cfg: WorkerConfig) -> int:
-    """/dev/shm taken by the receiver and told tables (for the start-up check)."""
-    return ReceiverTable.size_of() + ToldTable.size_of(told_capacity(cfg), cfg.max_items_per_request)
+    """/dev/shm taken by the receiver, told and held-alloc tables (for the start-up check)."""
+    return (ReceiverTable.size_of() + ToldTable.size_of(told_capacity(cfg), cfg.max_items_per_request)
+            + HeldAllocs.size_of(cfg.max_held_allocs))
 
 
 def create_shared(cfg: WorkerConfig, run_id: str, own, placement: dict | None = None) -> Shared:
@@ -135,11 +138,12 @@ def create_shared(cfg: WorkerConfig, run_id: str, own, placement: dict | None = 
                                  touch=lambda k: numa.first_touch(placement.get(towers[k]))))
     return Shared(pixel_arena, emb_arena, own(RoomTable.create(p, run_id, "rooms", room_capacity(cfg))),
                   own(ReceiverTable.create(p, run_id, "receivers")),
-                  own(ToldTable.create(p, run_id, "told", told_capacity(cfg), cfg.max_items_per_request)))
+                  own(ToldTable.create(p, run_id, "told", told_capacity(cfg), cfg.max_items_per_request)),
+                  own(HeldAllocs.create(p, run_id, "held", cfg.max_held_allocs)))
 
 
 def attach_shared(cfg: WorkerConfig, run_id: str) -> Shared:
     p = cfg.shm_prefix
     return Shared(Arena.attach(p, run_id, "pixels"), Arena.attach(p, run_id, "emb"),
                   RoomTable.attach(p, run_id, "rooms"), ReceiverTable.attach(p, run_id, "receivers"),
-                  ToldTable.attach(p, run_id, "told"))
+                  ToldTable.attach(p, run_id, "told"), HeldAllocs.attach(p, run_id, "held"))

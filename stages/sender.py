@@ -14,6 +14,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from ipc.arena import Arena, StaleLease
+from ipc.held import HeldAllocs
 from ipc.receivers import MAX_RECEIVERS, ReceiverTable
 from ipc.rooms import RoomState, RoomTable
 from ipc import wire
@@ -61,8 +62,9 @@ MAX_FENCED_UNOPENED = 65536  # a RoomOpened trails its fence by a ring's length 
 
 
 class Sender:
-    def __init__(self, *, arena: Arena, engine, rooms: RoomTable, registrations: ReceiverTable, hidden: int,
-                 dtype: str, deepstack_width: int, bootstrap_timeout_s: float, max_held_allocs: int):
+    def __init__(self, *, arena: Arena, engine, rooms: RoomTable, registrations: ReceiverTable,
+                 held: HeldAllocs, hidden: int, dtype: str, deepstack_width: int, bootstrap_timeout_s: float,
+                 max_held_allocs: int):
         self.arena = arena
         self.engine = engine
         self.rooms = rooms
@@ -77,12 +79,17 @@ class Sender:
         self.receivers = {rx: Register(rx, session, status)
                           for rx, (session, status) in registrations.load().items()}
         self.live: dict[int, _RoomTx] = {}
-        self.held: dict[int, list[tuple[float, Alloc]]] = {}  # allocs for rooms not opened here yet
+        # Allocs for rooms not opened here yet: (since, alloc, slot in the shared held table),
+        # a predecessor's among them: they outlive it.
+        self.held_table = held
+        self.held: dict[int, list[tuple[float, Alloc, int]]] = {}
+        for slot, since, a in held.load():
+            self.held.setdefault(a.room, []).append((since, a, slot))
         self.early: dict[int, list[ReadyItem]] = {}  # items that overtook their room's RoomOpened
         # Rooms fenced before their RoomOpened came: the reaper fences before the room
         # table says Failed, so on_opened cannot rely on the table alone.
         self.fenced_unopened: OrderedDict[int, float] = OrderedDict()  # room -> when fenced
-        self.n_held = 0
+        self.n_held = len(held)
         self.events: list = []  # records for the reaper
         self.dropped = Counter()
         self.bytes_written = 0
@@ -125,16 +132,15 @@ class Sender:
         fenced = self._fenced_unopened(opened.room, entry, pop=True)
         if fenced or entry is None or entry.room != opened.room or entry.state >= RoomState.SUCCESS:
             # Concluded before it reached us (failed elsewhere): answer what was held.
-            for _, a in self.held.pop(opened.room, []):
+            for a in self._unhold(opened.room):
                 self.events.append(LateAlloc(opened.room, a.receiver))
             for r in self.early.pop(opened.room, []):
                 self._release(r)
-            self._recount_held()
             return
         self.live[opened.room] = _RoomTx(opened.slot, [_ItemTx(s) for s in opened.spans])
-        for arrival, a in self.held.pop(opened.room, []):
-            self.n_held -= 1
+        for arrival, a, _ in self.held.get(opened.room, ()):
             self._on_alloc(a, arrival)
+        self._unhold(opened.room)
         for r in self.early.pop(opened.room, []):
             self._adopt(r)
 
@@ -178,13 +184,14 @@ class Sender:
                     or self._fenced_unopened(a.room, entry, pop=False)):
                 self.events.append(LateAlloc(a.room, a.receiver))
                 return
-            if self.n_held >= self.max_held_allocs:
+            slot = self.held_table.put(arrival, a) if self.n_held < self.max_held_allocs else None
+            if slot is None:
                 self._drop("alloc for an unknown room: too many held (max_held_allocs)")
                 self.events.append(UnknownRoom(a.room, a.receiver,
                                     f"alloc for a room this worker has not seen, and it already holds "
                                     f"{self.max_held_allocs} such allocs (max_held_allocs)"))
                 return
-            self.held.setdefault(a.room, []).append((arrival, a))
+            self.held.setdefault(a.room, []).append((arrival, a, slot))
             self.n_held += 1
             return
         if a.receiver not in tx.receivers:
@@ -356,10 +363,13 @@ class Sender:
                     self._fail(room, tx, reason)
                     break
         for room, held in list(self.held.items()):
-            keep = [(t, a) for t, a in held if t >= limit]
-            for t, a in held:
-                if t < limit:
-                    self.events.append(UnknownRoom(room, a.receiver, "unknown room"))
+            keep = []
+            for t, a, slot in held:
+                if t >= limit:
+                    keep.append((t, a, slot))
+                    continue
+                self.events.append(UnknownRoom(room, a.receiver, "unknown room"))
+                self.held_table.remove(slot)
             self.n_held -= len(held) - len(keep)
             if keep:
                 self.held[room] = keep
@@ -379,10 +389,9 @@ class Sender:
             self.fenced_unopened[room] = time.monotonic()
             if len(self.fenced_unopened) > MAX_FENCED_UNOPENED:
                 self.fenced_unopened.popitem(last=False)
-            receivers = sorted({a.receiver for _, a in self.held.pop(room, [])})
+            receivers = sorted({a.receiver for a in self._unhold(room)})
             for r in self.early.pop(room, []):
                 self._release(r)
-            self._recount_held()
             self.events.append(Fenced(room, tuple(receivers)))
             return
         if not tx.failing:
@@ -415,8 +424,13 @@ class Sender:
         else:
             self._drop("cancel of a room this worker does not hold")
 
-    def _recount_held(self) -> None:
-        self.n_held = sum(len(v) for v in self.held.values())
+    def _unhold(self, room: int) -> list[Alloc]:
+        """The allocs held for `room`, no longer held."""
+        held = self.held.pop(room, [])
+        for _, _, slot in held:
+            self.held_table.remove(slot)
+        self.n_held -= len(held)
+        return [a for _, a, _ in held]
 
     def _release(self, r: ReadyItem) -> None:
         try:
@@ -512,7 +526,7 @@ class SenderStage(Stage):
 
 def build(env, name, emit, custody) -> SenderStage:
     cfg, spec, sh = env.cfg, env.spec, env.shared
-    sender = Sender(arena=sh.emb_arena, engine=env.engine, rooms=sh.rooms, registrations=sh.receivers,
+    sender = Sender(arena=sh.emb_arena, engine=env.engine, rooms=sh.rooms, registrations=sh.receivers, held=sh.held,
                     hidden=spec.hidden, dtype=spec.dtype, deepstack_width=spec.deepstack_width,
                     bootstrap_timeout_s=cfg.bootstrap_timeout_s, max_held_allocs=cfg.max_held_allocs)
     return SenderStage(emit, sender, custody, endpoint=cfg.bootstrap)

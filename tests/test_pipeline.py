@@ -228,3 +228,22 @@ def test_sender_and_reaper_killed_together_keep_the_registrations(pipeline):
     after.send(10)
     after.settle()
     assert not [room for room in after.sent if room in r.failed], r.failed
+
+
+def test_an_alloc_held_for_an_unseen_room_is_answered_after_the_sender_dies(shm_prefix, tmp_path):
+    """PROTOCOL.md §4: an alloc for a room the worker has not seen is held, then answered
+    "unknown room". A sender SIGKILLed while it holds one: its successor answers it."""
+    w = PipelineWorker(sim_config(shm_prefix, tmp_path, bootstrap_timeout_s=2.0))
+    r = Receiver("rx0", w.cfg.bootstrap, buffer_bytes=1 << 20)
+    try:
+        r.alloc(9001, 0, span=4, hidden=64, dtype="bfloat16", deepstack_width=32)
+        end = time.monotonic() + 30
+        while w.stats().get("sender_held_allocs") != 1:
+            assert time.monotonic() < end, "the sender never held the alloc"
+        os.kill(w.sup.procs["sender"].pid, signal.SIGKILL)
+        wait_restarted(w, "sender")
+        assert r.wait({9001: 1}, 30), "the receiver was never answered"
+        assert r.failed[9001] == "unknown room"
+    finally:
+        r.close()
+        w.close()

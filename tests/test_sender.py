@@ -7,9 +7,10 @@ import pytest
 
 from ipc import shm
 from ipc.arena import Arena
+from ipc.held import HeldAllocs
 from ipc.receivers import ReceiverTable
 from ipc.rooms import RoomTable
-from stages.records import OWNER_INTAKE, Fenced, LateAlloc, RoomOpened
+from stages.records import OWNER_INTAKE, Fenced, LateAlloc, RoomOpened, UnknownRoom
 from stages.sender import Sender
 
 ROOM = 11
@@ -21,13 +22,14 @@ def sender(shm_prefix):
     arena = Arena.create(shm_prefix, run_id, "emb", 64 * 1024, block_size=64)
     rooms = RoomTable.create(shm_prefix, run_id, "rooms", 16)
     receivers = ReceiverTable.create(shm_prefix, run_id, "receivers", 8)
+    held = HeldAllocs.create(shm_prefix, run_id, "held", 16)
     # No write is started here, so no transfer engine is needed.
-    s = Sender(arena=arena, engine=None, rooms=rooms, registrations=receivers, hidden=8, dtype="bfloat16",
-               deepstack_width=0, bootstrap_timeout_s=60.0, max_held_allocs=16)
+    s = Sender(arena=arena, engine=None, rooms=rooms, registrations=receivers, held=held, hidden=8,
+               dtype="bfloat16", deepstack_width=0, bootstrap_timeout_s=60.0, max_held_allocs=16)
     try:
         yield s, rooms
     finally:
-        for table in (rooms, receivers):
+        for table in (rooms, receivers, held):
             table.close()
             table.unlink()
         arena.close()
@@ -71,3 +73,24 @@ def test_an_alloc_for_a_room_fenced_before_it_opened_is_answered_at_once(sender)
     s._on_alloc(alloc, time.monotonic())
     assert s.events == [LateAlloc(ROOM, "rx")]
     assert not s.held
+
+
+def test_allocs_held_for_an_unseen_room_outlive_the_sender(sender, shm_prefix):
+    """A sender SIGKILLed while it holds an alloc for a room it has not seen: its successor
+    holds it again, since the same moment, and answers it (here: "unknown room" at the
+    bootstrap timeout), so the receiver does not wait forever."""
+    from ipc.wire import Alloc
+
+    s, rooms = sender
+    alloc = Alloc(receiver="rx", room=ROOM, item=0, dst=4096, dst_deepstack=0, row_start=0, n_rows=4,
+                  span=4, hidden=8, dtype="bfloat16", deepstack_width=0, fanout=1)
+    since = time.monotonic()
+    s._on_alloc(alloc, since)
+    assert s.n_held == 1 and not s.events
+    successor = Sender(arena=s.arena, engine=None, rooms=rooms, registrations=s.registrations,
+                       held=s.held_table, hidden=8, dtype="bfloat16", deepstack_width=0,
+                       bootstrap_timeout_s=60.0, max_held_allocs=16)
+    assert successor.held == {ROOM: [(since, alloc, 0)]} and successor.n_held == 1
+    successor._timeouts(since + 61.0)
+    assert successor.events == [UnknownRoom(ROOM, "rx", "unknown room")]
+    assert successor.n_held == 0 and len(successor.held_table) == 0
