@@ -37,6 +37,11 @@ WATCH_EVERY_S = 1.0
 RESTART_MARGIN_S = 5.0  # besides heartbeat_timeout_s: a dead or hung stage found, restarted, caught up
 
 
+WATCHDOG = "room watchdog:"
+# Failures after which the receivers of a room are not known for sure (see _fenced).
+AUDIENCE_UNKNOWN = ("the sender stage died", WATCHDOG)
+
+
 class StatusPusher:
     """One PUSH socket per receiver's status endpoint; never blocks the reaper."""
 
@@ -184,11 +189,12 @@ class Reaper:
             reason = entry.reason if entry else "room failed"
         to = set(receivers) | self.allocated.get(room, set())
         entry = self._entry(room)
-        if not to and entry is not None and entry.created <= self.sender_died_at:
-            # Allocs a dead sender had received were never acknowledged, so who sent
-            # them is unknown: every registered receiver hears (and ignores a room it
-            # never allocated for), so that none waits forever.
-            to = set(self.registrations)
+        if entry is not None and (entry.created <= self.sender_died_at or reason.startswith(AUDIENCE_UNKNOWN)):
+            # Allocs a dead sender had received were never acknowledged, and a room the
+            # watchdog fails lost a record somewhere: who allocated is not known for sure,
+            # so every registered receiver hears (and ignores a room it never allocated
+            # for), so that none waits forever.
+            to |= set(self.registrations)
         for r in sorted(to):
             self._tell_failed(room, r, reason)
 
@@ -280,7 +286,7 @@ class Reaper:
         for entry in self._live_entries():
             if now > self.bound_of(entry):
                 self.fail(RoomFailure(entry.slot, entry.room, (
-                    f"room watchdog: still live {now - entry.created:.0f} s after it arrived, past its bound "
+                    f"{WATCHDOG} still live {now - entry.created:.0f} s after it arrived, past its bound "
                     f"max(deadline, bootstrap_timeout_s {self.bootstrap_timeout_s:g} s) + "
                     f"heartbeat_timeout_s + {RESTART_MARGIN_S:g} s ({self.restart_margin_s:g} s); "
                     f"no stage was finishing it (a stage stuck, or a record lost with one that died)")))

@@ -280,13 +280,16 @@ def test_a_sender_and_a_reaper_restarted_together_keep_every_registration(tables
     """Both die close together: neither can give the other the registrations back, the
     receiver table does. The receiver's alloc is still accepted, its status still goes out."""
     from ipc.arena import Arena
+    from ipc.held import HeldAllocs
     from stages.sender import Sender
 
     rooms, _, receivers = tables
-    arena = Arena.create(shm_prefix, shm.new_run_id(), "emb", 64 * 1024, block_size=64)
+    run_id = shm.new_run_id()
+    arena = Arena.create(shm_prefix, run_id, "emb", 64 * 1024, block_size=64)
+    held = HeldAllocs.create(shm_prefix, run_id, "held", 16)
     try:
         def sender():
-            return Sender(arena=arena, engine=None, rooms=rooms, registrations=receivers, hidden=8,
+            return Sender(arena=arena, engine=None, rooms=rooms, registrations=receivers, held=held, hidden=8,
                           dtype="bfloat16", deepstack_width=0, bootstrap_timeout_s=60.0, max_held_allocs=16)
 
         first = sender()
@@ -312,8 +315,9 @@ def test_a_sender_and_a_reaper_restarted_together_keep_every_registration(tables
                                            "state": "failed", "reason": "canceled"})]
         stage.close()
     finally:
-        arena.close()
-        arena.unlink()
+        for obj in (arena, held):
+            obj.close()
+            obj.unlink()
 
 
 # -- the watchdog --------------------------------------------------------------------------
@@ -347,3 +351,24 @@ def test_the_watchdog_waits_for_a_later_deadline(tables, rooms):
     stage.tick(10**6)
     assert rooms.get(slot).live and not emitted
     stage.close()
+
+
+@pytest.mark.parametrize("how", ["the sender died", "the watchdog"])
+def test_when_who_allocated_is_not_known_every_registered_receiver_hears(tables, rooms, how):
+    """A receiver whose alloc died with the sender before the reaper heard of it (or whose
+    record was lost, so the watchdog fails the room) must not wait for ever: every
+    registered receiver is told, not only those the reaper knows allocated."""
+    stage, pusher, _ = make_reaper(tables, bootstrap_timeout_s=0.2, heartbeat_timeout_s=0.1)
+    for rx in ("rx-a", "rx-b"):
+        feed(stage, "sender", Registered(wire.Register(rx, "127.0.0.1:1", f"tcp://127.0.0.1:{len(rx)}")))
+    slot = rooms.insert(ROOM, "req", 1, OWNER_INTAKE)
+    feed(stage, "intake", RoomOpened(slot, ROOM, "req", (4,), 0.0))
+    feed(stage, "sender", AllocSeen(ROOM, "rx-a"))  # rx-b's alloc was never acknowledged
+    if how == "the sender died":
+        feed(stage, "supervisor", RoomsLost(((slot, ROOM),), "the sender stage died while it held this room",
+                                            died="sender"))
+    else:
+        stage.tick(stage.reaper.bound_of(rooms.get(slot)) + 1.0)  # time has passed its bound
+        stage.pushed()
+        feed(stage, "sender", Fenced(ROOM, ()))  # the sender never saw the room
+    assert sorted(r for r, msg in pusher.sent if msg["state"] == "failed") == ["rx-a", "rx-b"], pusher.sent
