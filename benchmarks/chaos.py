@@ -613,7 +613,7 @@ class Chaos:
             self.kill_receiver(kind)
             return
         stopped = self.stopped[0] if self.stopped else None
-        names = [n for n in registry.STAGES if n != stopped and self.live_stage_pid(n)]
+        names = [n for n in registry.stage_names(self.w.cfg.tower_replicas) if n != stopped and self.live_stage_pid(n)]
         if kind == "stop_stage" and stopped:
             kind = "kill_stage"  # one stopped stage at a time: the watch follows one
         if not names or (kind == "kill_two" and len(names) < 2):
@@ -662,7 +662,7 @@ class Chaos:
         """Rooms whose custody bit for `name` is set in the room table."""
         from stages import registry
 
-        return len(self.w.sup.rooms.held_by(1 << registry.OWNERS[name]))
+        return len(self.w.sup.rooms.held_by(1 << registry.owner_of(name)))
 
     def signal_stage(self, name: str, pid: int, sig, note: str = "") -> None:
         held = self.held_by(name)
@@ -761,7 +761,7 @@ class Chaos:
             self.next_progress = now + 5.0
             from stages import registry
             self.log(f"progress: {len(self.rooms)} rooms sent, {self.open_rooms()} open; held by "
-                     + ", ".join(f"{n} {self.held_by(n)}" for n in registry.STAGES if n != "reaper"))
+                     + ", ".join(f"{n} {self.held_by(n)}" for n in registry.stage_names(self.w.cfg.tower_replicas) if n != "reaper"))
 
     def tick_until(self, cond, timeout: float) -> bool:
         end = time.monotonic() + timeout
