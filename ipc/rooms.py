@@ -21,16 +21,28 @@ publishes it with one aligned 4-byte store of ``seq + 1``. So:
   repaired under the lock: a live room whose record is lost is concluded FAILED.
 
 Records carry ``time.monotonic()`` stamps (system-wide on Linux, so comparable
-across processes). Contiguous columns hold each copy's room, state and holders,
-written with the copy before it is published, so ``find``/``held_by``/``insert``
-scan them with numpy and then verify the few candidates' records. ``holders`` is a
-custody bit mask: bit ``i`` set while stage ``i`` holds some of the room's items.
+across processes). Contiguous columns hold each copy's room and state, written
+with the copy before it is published, so ``find``/``held_by``/``insert`` scan them
+with numpy and then verify the few candidates' records.
+
+Custody, without the lock. ``holders`` is a bit mask: bit ``i`` set while stage
+``i`` holds some of the room's items. Every stage sets and clears its bit on every
+record it takes and hands on, so it is not in the locked record: each slot has a
+claim per owner (``MAX_OWNERS``), a room id and an on-byte, and only that owner (or
+the supervisor, once the owner is dead) writes it. A claim counts only while its
+room is the slot's room, so claims left by a room that has gone are void, and
+``insert`` clears the slot's claims before it publishes the new room. ``hold``
+checks the slot holds the room, writes its claim, and checks again: a room freed
+and another inserted into the slot meanwhile voids the claim (a store the CPU
+still buffers past that second read could in principle outlive it; its only effect
+is that the owner's death would fail the new room too).
 ``room`` is an unsigned 64-bit id (the protocol's); ``request_id`` (128 UTF-8 bytes)
 and ``reason`` (256) are cut with '…' when longer.
 """
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 import time
 import zlib
@@ -68,7 +80,7 @@ class RoomEntry:
     room: int
     request_id: str
     state: RoomState
-    holders: int
+    holders: int  # custody bit mask, from the claims
     items_total: int
     items_done: int
     reason: str
@@ -83,19 +95,21 @@ class RoomEntry:
 
 REQUEST_ID_BYTES = 128
 REASON_BYTES = 256
-_MAGIC = 0x6D6F_6F72_0000_0001  # "room", layout 1
+_MAGIC = 0x6D6F_6F72_0000_0002  # "room", layout 2
+MAX_OWNERS = 32  # custody bits
 # record: crc32 over the rest, then the body
-_BODY = struct.Struct(f"<IQBBHiIIddd{REQUEST_ID_BYTES}s{REASON_BYTES}s")
-_REC = 4 + _BODY.size  # 440
+_BODY = struct.Struct(f"<IQBBHIIddd{REQUEST_ID_BYTES}s{REASON_BYTES}s")
+_REC = 4 + _BODY.size  # 436
 _HDR = 64
 
 
 def _layout(capacity: int) -> dict[str, int]:
-    """Segment layout: header, seq u32[cap], columns room u64 / holders i32 / state u8 [cap, 2],
-    records [cap, 2] of _REC bytes."""
+    """Segment layout: header, seq u32[cap], columns room u64 / state u8 [cap, 2], records
+    [cap, 2] of _REC bytes, custody claims: room u64 / on u8 [cap, MAX_OWNERS]."""
     off, pos = {}, _HDR
-    for name, nbytes in (("seq", 4 * capacity), ("room", 16 * capacity), ("holders", 8 * capacity),
-                         ("state", 2 * capacity), ("rec", 2 * _REC * capacity)):
+    for name, nbytes in (("seq", 4 * capacity), ("room", 16 * capacity), ("state", 2 * capacity),
+                         ("rec", 2 * _REC * capacity), ("claim_room", 8 * MAX_OWNERS * capacity),
+                         ("claim_on", MAX_OWNERS * capacity)):
         pos = (pos + 63) // 64 * 64
         off[name] = pos
         pos += nbytes
@@ -104,11 +118,11 @@ def _layout(capacity: int) -> dict[str, int]:
 
 
 # body field indices (after ver)
-_ROOM, _STATE, _RIDLEN, _REASONLEN, _HOLDERS, _TOTAL, _DONE, _DEADLINE, _CREATED, _CONCLUDED, _RID, _REASON = range(12)
+_ROOM, _STATE, _RIDLEN, _REASONLEN, _TOTAL, _DONE, _DEADLINE, _CREATED, _CONCLUDED, _RID, _REASON = range(11)
 _U64 = (0, 2**64 - 1)
-_I32 = (-(2**31), 2**31 - 1)
 _U32_MAX = 2**32 - 1
-_FREE_FIELDS = (0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0, b"", b"")
+_FREE_FIELDS = (0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0, b"", b"")
+_NO_CLAIMS = bytes(MAX_OWNERS)
 _READ_SPINS = 64
 _STATES = tuple(RoomState)
 _new_entry = object.__new__
@@ -130,6 +144,11 @@ def _slots(copy_mask: np.ndarray) -> list[int]:
     if idx.size == 0:
         return []
     return list(dict.fromkeys((idx >> 1).tolist()))
+
+
+@functools.lru_cache(maxsize=1024)
+def _owners(bits: int) -> tuple[int, ...]:
+    return tuple(o for o in range(MAX_OWNERS) if bits >> o & 1)
 
 
 def _check_range(name: str, v, lo: int, hi: int) -> int:
@@ -195,12 +214,15 @@ class RoomTable:
         self._hdr = mv[:_HDR].cast("Q")
         self._seqv = mv[lay["seq"]:lay["seq"] + 4 * cap].cast("I")
         self._roomv = mv[lay["room"]:lay["room"] + 16 * cap].cast("Q")
-        self._holdersv = mv[lay["holders"]:lay["holders"] + 8 * cap].cast("i")
+        self._claim_roomv = mv[lay["claim_room"]:lay["claim_room"] + 8 * MAX_OWNERS * cap].cast("Q")
+        self._claim_onv = mv[lay["claim_on"]:lay["claim_on"] + MAX_OWNERS * cap]
+        self._mm, self._claim_on0 = mm, lay["claim_on"]
         self._statev = mv[lay["state"]:lay["state"] + 2 * cap]
         self._rec0 = lay["rec"]
         self._seq = np.frombuffer(mm, np.uint32, cap, lay["seq"])
         self._rooms = np.frombuffer(mm, np.uint64, 2 * cap, lay["room"]).reshape(cap, 2)
-        self._holders = np.frombuffer(mm, np.int32, 2 * cap, lay["holders"]).reshape(cap, 2)
+        self._claim_room = np.frombuffer(mm, np.uint64, MAX_OWNERS * cap, lay["claim_room"]).reshape(cap, MAX_OWNERS)
+        self._claim_on = np.frombuffer(mm, np.uint8, MAX_OWNERS * cap, lay["claim_on"]).reshape(cap, MAX_OWNERS)
         self._states = np.frombuffer(mm, np.uint8, 2 * cap, lay["state"]).reshape(cap, 2)
         self._lock = SegmentLock(seg)
         self._closed = False
@@ -254,7 +276,6 @@ class RoomTable:
         mv = self._mv
         # The inactive copy's index columns first (hints, verified against records) ...
         self._roomv[c] = fields[_ROOM]
-        self._holdersv[c] = fields[_HOLDERS]
         self._statev[c] = fields[_STATE]
         # ... then its record, body before crc ...
         mv[off + 4:off + _REC] = body
@@ -290,13 +311,28 @@ class RoomTable:
         self._hdr[4] += 1
         return (seq + 1) & _U32_MAX, fields
 
-    @staticmethod
-    def _entry(slot: int, f) -> RoomEntry:
+    def _holders(self, slot: int, room: int) -> int:
+        """The custody bits of the owners whose claim on ``slot`` is for ``room``."""
+        base = slot * MAX_OWNERS
+        at = self._claim_on0 + base
+        on = self._mm[at:at + MAX_OWNERS]  # bytes: the usual answer (no claim) in one compare
+        if on == _NO_CLAIMS:
+            return 0
+        bits, rooms = 0, self._claim_roomv
+        o = on.find(1)
+        while o >= 0:
+            if rooms[base + o] == room:
+                bits |= 1 << o
+            o = on.find(1, o + 1)
+        return bits
+
+    def _entry(self, slot: int, f) -> RoomEntry:
         # Filled through __dict__: a frozen dataclass's __init__ costs ~2 us here.
         e = _new_entry(RoomEntry)
         e.__dict__.update(
             slot=slot, room=f[_ROOM], request_id=f[_RID][:f[_RIDLEN]].decode("utf-8", "replace"),
-            state=_STATES[f[_STATE]], holders=f[_HOLDERS], items_total=f[_TOTAL], items_done=f[_DONE],
+            state=_STATES[f[_STATE]], holders=self._holders(slot, f[_ROOM]), items_total=f[_TOTAL],
+            items_done=f[_DONE],
             reason=f[_REASON][:f[_REASONLEN]].decode("utf-8", "replace"),
             deadline=f[_DEADLINE], created=f[_CREATED], concluded=f[_CONCLUDED],
         )
@@ -378,13 +414,13 @@ class RoomTable:
         """
         room = _check_range("room", room, *_U64)
         items_total = _check_range("items_total", items_total, 0, _U32_MAX)
-        holders = _check_range("holders", holders, *_I32)
+        holders = _check_range("holders", holders, 0, 2**MAX_OWNERS - 1)
         state = RoomState(state)
         if state == RoomState.FREE:
             raise ValueError("a room cannot be inserted FREE")
         rid = _cut(str(request_id), REQUEST_ID_BYTES)
         now = time.monotonic()
-        fields = [room, int(state), len(rid), 0, holders, items_total, 0, float(deadline), now,
+        fields = [room, int(state), len(rid), 0, items_total, 0, float(deadline), now,
                   now if state in _FINAL else 0.0, rid, b""]
         self._lock.acquire()
         try:
@@ -396,6 +432,7 @@ class RoomTable:
             for slot in np.flatnonzero(self._active_states() == 0):
                 s, f = self._current(int(slot))
                 if f[_STATE] == RoomState.FREE:  # the column is a hint; the record decides
+                    self._claim(int(slot), room, holders)  # before the room is there: void until then
                     self._store(int(slot), s, fields)
                     return int(slot)
             raise TableFull(
@@ -429,34 +466,64 @@ class RoomTable:
 
         return bool(self._update(slot, room, change))
 
+    def _claim(self, slot: int, room: int, bits: int) -> None:
+        """Lock held, slot FREE: the new room's claims are ``bits``, every other claim void."""
+        base = slot * MAX_OWNERS
+        self._claim_onv[base:base + MAX_OWNERS] = _NO_CLAIMS
+        for o in _owners(bits):
+            self._claim_roomv[base + o] = room
+            self._claim_onv[base + o] = 1
+
+    def _is_there(self, slot: int, room: int) -> bool:
+        _, f = self._load(slot)
+        if f is None:
+            e = self.get(slot)  # repairs it under the lock
+            return e is not None and e.room == room
+        return f[_STATE] != RoomState.FREE and f[_ROOM] == room
+
     def hold(self, slot: int, room: int, bits: int) -> bool:
-        """Set custody ``bits`` in the room's holders; even when concluded."""
-        return self._change_bits(slot, room, lambda h: h | bits)
+        """Claim custody ``bits`` of ``room``, even when concluded (no lock: each owner writes
+        only its own claims); False, claims unchanged, if ``slot`` does not hold ``room``."""
+        slot = self._slot_index(slot)
+        base = slot * MAX_OWNERS
+        owners = _owners(bits)
+        rooms, on = self._claim_roomv, self._claim_onv
+        before = [(rooms[base + o], on[base + o]) for o in owners]
+        for o in owners:
+            rooms[base + o] = room
+            on[base + o] = 1
+        if self._is_there(slot, room):  # read after the claim is written: see the class doc
+            return True
+        for o, (r, flag) in zip(owners, before):
+            on[base + o] = 0
+            rooms[base + o] = r
+            on[base + o] = flag
+        return False
 
     def unhold(self, slot: int, room: int, bits: int) -> bool:
-        """Clear custody ``bits`` in the room's holders."""
-        return self._change_bits(slot, room, lambda h: h & ~bits)
+        """Give up custody ``bits`` of ``room``; False if ``slot`` does not hold ``room``."""
+        slot = self._slot_index(slot)
+        base = slot * MAX_OWNERS
+        for o in _owners(bits):
+            if self._claim_onv[base + o] and self._claim_roomv[base + o] == room:
+                self._claim_onv[base + o] = 0
+        return self._is_there(slot, room)
 
     def held_by(self, bits: int) -> list[RoomEntry]:
         """Live entries whose holders have any of ``bits``."""
+        owners = _owners(bits)
+        if not owners:
+            return []
+        rooms = np.where(self._seq & 1, self._rooms[:, 1], self._rooms[:, 0])
         st = self._active_states()
-        holders = np.where(self._seq & 1, self._holders[:, 1], self._holders[:, 0])
+        owners = list(owners)
+        claimed = ((self._claim_on[:, owners] != 0) & (self._claim_room[:, owners] == rooms[:, None])).any(axis=1)
         out = []
-        for slot in np.flatnonzero(((holders & bits) != 0) & (st > 0) & (st < RoomState.SUCCESS)).tolist():
+        for slot in np.flatnonzero(claimed & (st > 0) & (st < RoomState.SUCCESS)).tolist():
             e = self.get(slot)
             if e is not None and e.holders & bits and e.live:
                 out.append(e)
         return out
-
-    def _change_bits(self, slot: int, room: int, op) -> bool:
-        def change(f):
-            new = op(f[_HOLDERS])
-            if new == f[_HOLDERS]:
-                return True
-            f[_HOLDERS] = new
-            return f
-
-        return bool(self._update(slot, room, change))
 
     def item_done(self, slot: int, room: int, done_so_far: int | None = None) -> int:
         """Count one more item done, or with ``done_so_far`` raise the count to it (a report
@@ -524,10 +591,10 @@ class RoomTable:
             return
         self._closed = True
         self._lock.close()
-        for v in (self._hdr, self._seqv, self._roomv, self._holdersv, self._statev):
+        for v in (self._hdr, self._seqv, self._roomv, self._statev, self._claim_roomv, self._claim_onv):
             v.release()
-        self._seq = self._rooms = self._states = self._holders = None
-        self._hdr = self._seqv = self._roomv = self._holdersv = self._statev = self._mv = None
+        self._seq = self._rooms = self._states = self._claim_room = self._claim_on = None
+        self._hdr = self._seqv = self._roomv = self._statev = self._claim_roomv = self._claim_onv = self._mv = self._mm = None
         self._seg.close()
 
     def unlink(self) -> None:

@@ -93,7 +93,7 @@ def test_full_table_and_argument_errors(make_table):
     assert t.find(0) == slots[1] and t.find(1) is None and t.find(2**70) is None
     for bad in (lambda: t.insert(2**64, "x", 1, 0), lambda: t.insert(-1, "x", 1, 0),
                 lambda: t.insert(1, "x", -1, 0),
-                lambda: t.insert(1, "x", 1, 0, state=S.FREE), lambda: t.insert(1, "x", 1, 2**31)):
+                lambda: t.insert(1, "x", 1, 0, state=S.FREE), lambda: t.insert(1, "x", 1, 2**32)):
         with pytest.raises(ValueError):
             bad()
     with pytest.raises(IndexError):
