@@ -40,7 +40,8 @@ tower replica (stages/registry.py), and a tower's records to the scheduler name 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from operator import attrgetter
 
 from ipc.arena import Lease
 from ipc.wire import Register
@@ -201,3 +202,30 @@ class RoomsLost:
     reason: str
     died: str = ""  # the stage that died holding them; "" at a drain's end
 
+
+
+# Records whose consumer needs them no sooner than its next wake-up (at most
+# ipc.sleepers.WAIT_SLICE later; sooner under load, when it wakes for other records):
+# pushed without waking it, each saves that stage a round per room. Every other
+# record wakes its consumer.
+UNHURRIED = frozenset({
+    ("reaper", RoomOpened),    # a deadline to watch; the items are what is urgent, and they go elsewhere
+    ("reaper", AllocSeen),     # who must hear how the room ends; it ends later
+    ("sender", RoomSucceeded),  # what is left of the room can go
+})
+
+def _pickled_as_tuple(cls):
+    """Pickle a record as (class, its values): the dataclass default (``__getstate__``
+    calling ``fields()`` on every record) costs twice as much, and every record crosses
+    a ring pickled."""
+    get = attrgetter(*(f.name for f in fields(cls)))
+    if len(fields(cls)) == 1:
+        cls.__reduce__ = lambda self: (cls, (get(self),))
+    else:
+        cls.__reduce__ = lambda self: (cls, get(self))
+    return cls
+
+
+for _cls in [v for v in list(globals().values()) if isinstance(v, type) and v.__module__ == __name__]:
+    _pickled_as_tuple(_cls)
+del _cls
