@@ -17,6 +17,8 @@ from ipc import wire
 from ipc.stats import reason_class
 from ipc.wire import ProtocolError
 from stages.base import POLL_S, Stage
+
+LIVE_RECOUNT_S = 0.01
 from stages.records import OWNER_INTAKE, RoomFailure, RoomOpened, WorkItem
 
 log = logging.getLogger("epd.intake")
@@ -88,6 +90,10 @@ class Intake:
         self.max_items = max_items_per_request
         self.max_pixel_bytes = max_pixel_bytes_per_request
         self.max_live_rooms = max_live_rooms
+        # Live rooms, counted at most every LIVE_RECOUNT_S and when the count reaches the
+        # limit (a count scans the whole table); rooms accepted since are added, rooms
+        # concluded since are not, so it errs high and is exact wherever it refuses.
+        self._live, self._live_at = 0, float("-inf")
         self.journal = None        # journal(room or None, segment names), set by a host that wants it
         self.refusing = ""         # why every request now fails at once (a drain's end), if it does
         self.dropped = Counter()   # reason -> messages dropped without a room to fail
@@ -158,9 +164,6 @@ class Intake:
             # Nobody to answer, but the segments are still ours to remove.
             self._close(self._take_segments(msg))
             return self._drop("room cannot be read")
-        if self.rooms.find(room) is not None:
-            self._close(self._take_segments(msg))
-            return self._drop("duplicate room")
         rid = msg.get("request_id") if isinstance(msg.get("request_id"), str) else ""
         rid = rid[: wire.MAX_REQUEST_ID]
         if self.refusing:
@@ -186,7 +189,9 @@ class Intake:
             if total > self.pixel_arena.size:
                 raise ProtocolError(
                     f"request has {total} pixel bytes; the pixel arena holds {self.pixel_arena.size}")
-            if self.rooms.count_live() >= self.max_live_rooms:
+            if self._live >= self.max_live_rooms or arrival - self._live_at > LIVE_RECOUNT_S:
+                self._live, self._live_at = self.rooms.count_live(), arrival
+            if self._live >= self.max_live_rooms:
                 raise ProtocolError(
                     f"worker is at its limit of {self.max_live_rooms} live rooms (max_live_rooms)")
         except ProtocolError as e:
@@ -218,10 +223,11 @@ class Intake:
         try:
             slot = self.rooms.insert(room, req.request_id, len(req.items), 1 << OWNER_INTAKE,
                                      deadline=deadline, state=RoomState.BOOTSTRAPPING)
-        except TableFull as e:
+        except (TableFull, ValueError) as e:  # ValueError: the room is there already
             for lease in leases:
                 self.pixel_arena.drop(lease, OWNER_INTAKE)
-            return self._drop(f"room table full: {e}")
+            return self._drop(f"room table full: {e}" if isinstance(e, TableFull) else "duplicate room")
+        self._live += 1
         items = []
         for i, (it, sp, lease) in enumerate(zip(req.items, spans, leases)):
             self._seq += 1
@@ -260,13 +266,15 @@ class Intake:
             got += n
 
     def _fail_new_room(self, room: int, rid: str, reason: str) -> IntakeResult:
-        wire.count_reason(self.failed, reason.split(":")[0][:60])
-        # One line per room would flood under overload; the reaper logs each failed room at INFO.
-        log.debug("room failed at intake: room=%d request_id=%s reason=%s", room, rid, reason)
         try:
             slot = self.rooms.insert(room, rid or "?", 0, 1 << OWNER_INTAKE)
         except TableFull as e:
             return self._drop(f"room table full: {e}")
+        except ValueError:  # a second message for a room: the first one's stands
+            return self._drop("duplicate room")
+        wire.count_reason(self.failed, reason.split(":")[0][:60])
+        # One line per room would flood under overload; the reaper logs each failed room at INFO.
+        log.debug("room failed at intake: room=%d request_id=%s reason=%s", room, rid, reason)
         self.requests[("rejected", reason_class(reason))] += 1
         return IntakeResult(failure=RoomFailure(slot, room, reason))
 
