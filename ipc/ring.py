@@ -319,7 +319,7 @@ class Ring:
             f"{self.name!r} (capacity {self.capacity} bytes, {RECORD_HEADER}-byte header per record)"
         )
 
-    def _publish(self, new_head: int, n: int) -> None:
+    def _publish(self, new_head: int, n: int, wake_consumer: bool = True) -> None:
         q = self._q
         pushed = q[_PEND_PUSHED] if q[_HEAD] == q[_PEND_HEAD] else q[_PUSHED]
         if q[_PUSHED] != pushed:  # a predecessor died before its last counter store
@@ -328,7 +328,8 @@ class Ring:
         q[_PEND_HEAD] = new_head
         q[_PEND_PUSHED] = pushed
         q[_HEAD] = new_head  # THE publish: one aligned 8-byte store, after every payload byte
-        self._data_posted_for = wake(q, _CWAIT, self._data_posted_for, self._data_sem, _DATA_POSTS)
+        if wake_consumer:
+            self._data_posted_for = wake(q, _CWAIT, self._data_posted_for, self._data_sem, _DATA_POSTS)
         q[_PUSHED] = pushed
 
     def _wait_space(self, need: int, timeout: float | None) -> bool:
@@ -358,11 +359,15 @@ class Ring:
         self._publish(head + need, 1)
         return True
 
-    def push_batch(self, records, timeout: float | None = 0.0) -> int:
+    def push_batch(self, records, timeout: float | None = 0.0, wake_consumer: bool = True) -> int:
         """Append records in order: as many as fit are published together with one
         ``head`` store, then it waits (``timeout`` in all) for room for the rest.
         Returns how many were pushed, a prefix of ``records``.  Raises
-        RecordTooLarge, pushing nothing, if any record exceeds ``max_record``."""
+        RecordTooLarge, pushing nothing, if any record exceeds ``max_record``.
+
+        ``wake_consumer`` False: records that can wait leave a sleeping consumer asleep;
+        it finds them when it next wakes, at most ``ipc.sleepers.WAIT_SLICE`` later.
+        A batch that must wait for room wakes it all the same."""
         total = len(records)
         if not total:
             return 0
@@ -380,7 +385,7 @@ class Ring:
         head = q[_HEAD]
         if nbytes <= cap - (head - q[_TAIL]):  # all fit: the common case
             self._write_records(head, records, lens, nbytes)
-            self._publish(head + nbytes, total)
+            self._publish(head + nbytes, total, wake_consumer)
             return total
         deadline = None
         if timeout is not None and timeout > 0:

@@ -35,6 +35,7 @@ from ipc.transport import Engine
 from pipeline import wiring
 from stages import registry
 from stages.base import Stage
+from stages.records import UNHURRIED
 
 log = logging.getLogger("epd.host")
 
@@ -147,10 +148,16 @@ class RingChannel:
         self.bell = bell
         self.beat = beat
         self.out_buf: dict[str, list[bytes]] = {dst: [] for dst in outputs}
+        self.urgent: set[str] = set()  # destinations of this round's records that wake their consumer
 
     def emitter(self, source: str):
-        out = self.out_buf
-        return lambda dest, rec: out[dest].append(pickle.dumps(rec, protocol=5))
+        out, urgent = self.out_buf, self.urgent
+
+        def emit(dest: str, rec) -> None:
+            out[dest].append(pickle.dumps(rec, protocol=5))
+            if (dest, type(rec)) not in UNHURRIED:
+                urgent.add(dest)
+        return emit
 
     def take(self, stage: Stage, settle) -> bool:
         worked = False
@@ -172,11 +179,12 @@ class RingChannel:
     def push(self) -> None:
         for dest, recs in self.out_buf.items():
             while recs:
-                n = self.outputs[dest].push_batch(recs, timeout=PUSH_TIMEOUT_S)
+                n = self.outputs[dest].push_batch(recs, timeout=PUSH_TIMEOUT_S, wake_consumer=dest in self.urgent)
                 del recs[:n]
                 if recs:
                     self.beat()
                     log.warning("ring to %s is full; waiting", dest)
+        self.urgent.clear()
 
     def deliver(self) -> None:
         pass

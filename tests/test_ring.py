@@ -524,6 +524,35 @@ def test_sleepers_wake_across_threads(make_ring):
     cons.close()
 
 
+def test_unhurried_records_leave_a_sleeping_consumer_asleep(make_ring):
+    """wake_consumer=False posts nothing: the sleeper finds the record when its slice ends,
+    or at once when an urgent record follows (which posts, though a quiet one went first)."""
+    r = make_ring(4096)
+    cons = _attach_like(r)
+    got = []
+    t = threading.Thread(target=lambda: got.append(cons.pop_batch(8, timeout=None)))
+    t.start()
+    while not r.stats()["consumer_waiting"] and t.is_alive():
+        threading.Event().wait(0.001)
+    assert r.push_batch([b"quiet"], wake_consumer=False) == 1
+    assert r.stats()["data_posts"] == 0
+    t.join(30)  # the slice ends, it re-checks the indices
+    assert not t.is_alive() and got == [[b"quiet"]]
+
+    got.clear()
+    t = threading.Thread(target=lambda: got.append(cons.pop_batch(8, timeout=None)))
+    t.start()
+    while not r.stats()["consumer_waiting"] and t.is_alive():
+        threading.Event().wait(0.001)
+    r.push_batch([b"quiet"], wake_consumer=False)
+    r.push_batch([b"urgent"])
+    t.join(30)
+    assert not t.is_alive() and got and got[0][0] == b"quiet"
+    # one post, unless its slice ended in the microseconds between the two pushes
+    assert r.stats()["data_posts"] == 1 or got[0] == [b"quiet"]
+    cons.close()
+
+
 def test_batching_needs_far_fewer_posts_than_records(make_ring):
     r = make_ring(64 * 1024)
     cons = _attach_like(r)
@@ -562,9 +591,9 @@ def test_push_batch_publishes_once_per_round(make_ring, monkeypatch):
     stores = []
     publish = Ring._publish
 
-    def counting(self, new_head, n):
+    def counting(self, new_head, n, wake_consumer=True):
         stores.append(n)
-        publish(self, new_head, n)
+        publish(self, new_head, n, wake_consumer)
 
     monkeypatch.setattr(Ring, "_publish", counting)
     r = make_ring(4096)
