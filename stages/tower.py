@@ -31,6 +31,12 @@ class TowerStage(Stage):
     `name` is the replica's stage name (stages/registry.py), which gives its owner number.
     """
 
+    # A tower that computes in `start` (a CPU one) is done with a batch when `handle`
+    # returns: its rows and credit go out before the next batch in the ring is computed,
+    # not after every batch that came together (which held the receivers and the
+    # scheduler back by a forward each, and starved the tower of full batches).
+    one_record_at_a_time = True
+
     def __init__(self, emit, tower: Tower, *, pixel_arena, emb_arena, rooms, custody=None,
                  name: str = registry.TOWER):
         super().__init__(emit, custody)
@@ -59,6 +65,7 @@ class TowerStage(Stage):
         match rec:
             case Batch(items=batch):
                 self._start_job(batch)
+                self.tick(time.monotonic())
             case _:
                 raise ValueError(f"tower: unexpected record from {source}: {rec!r}")
 
