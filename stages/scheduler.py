@@ -125,6 +125,10 @@ class Scheduler:
             self._forget(p)
         return gone
 
+    def has_full_batch(self) -> bool:
+        """Whether the next batch would be cut by a budget rather than by the queue's end."""
+        return len(self._heap) >= self.max_items_per_batch or self._tokens >= self.max_tokens_per_batch
+
     def pending_tokens(self) -> int:
         return self._tokens
 
@@ -226,10 +230,15 @@ class SchedulerStage(Stage):
     def tick(self, now: float) -> None:
         self.short_of = 0
         while max(self.credits) > 0:
+            k = self.credits.index(max(self.credits))
+            if self.credits[k] < self.depth and not self.scheduler.has_full_batch():
+                # Every replica is computing: a part batch now would only wait behind that
+                # work, so let it fill. A replica that finishes comes back to full credit
+                # and takes what there is.
+                break
             batch = self.scheduler.next_batch(self._reserve)
             if not batch:
                 break
-            k = self.credits.index(max(self.credits))
             self.credits[k] -= 1
             items = tuple(replace(p.payload, out=self.reserved.pop((p.room, p.item))) for p in batch)
             self.emit(self.towers[k], Batch(items))
@@ -242,8 +251,9 @@ class SchedulerStage(Stage):
             self.wanted_at = now
 
     def next_tick_in(self, now: float) -> float | None:
-        # Items wait for a credit (the tower's answer wakes us) or for embedding space (poll).
-        return POLL_S if max(self.credits) > 0 and len(self.scheduler) > 0 else None
+        # Items wait for a credit (the tower's answer wakes us), for more items to fill a
+        # batch (so do they), or for embedding space (poll).
+        return POLL_S if self.short_of else None
 
     def stats(self) -> dict:
         return {"scheduler_pending": len(self.scheduler), "scheduler_pending_tokens": self.scheduler.pending_tokens()}

@@ -1,6 +1,8 @@
 """The scheduler: FIFO determinism, budgets, maximal batches, room removal, backpressure."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -341,3 +343,38 @@ def test_replica_choice_is_deterministic(arenas):
         stage.handle("reaper", RoomAbandoned(1))
         runs.append(got)
     assert runs[0] == runs[1] and len(runs[0]) == 9
+
+
+def test_a_part_batch_waits_while_every_replica_computes(arenas):
+    """An idle replica takes whatever is pending (latency); while every replica computes,
+    a batch goes only once it is full (a part batch would only wait behind that work, and
+    smaller batches cost the tower more per item)."""
+    pixel_arena, emb_arena = arenas
+    sent = []
+    stage = SchedulerStage(lambda dest, rec: sent.append((dest, rec)),
+                           Scheduler(max_tokens_per_batch=100, max_items_per_batch=3),
+                           pixel_arena=pixel_arena, emb_arena=emb_arena, entry_bytes=lambda span: 64 * span,
+                           custody=None, depth=2)
+    seq = itertools.count()
+
+    def arrive(n):
+        for _ in range(n):
+            i = next(seq)
+            stage.handle("cache", WorkItem(slot=0, room=1, item=i, seq=i, modality="image", grid_thw=[[1, 1, 1]],
+                                           pixel_dtype="float32", n_patches=1, patch_dim=1, span=1,
+                                           pixels=pixel_arena.alloc(4, OWNER_CACHE)))
+        stage.tick(0.0)
+        return [[w.item for w in batch.items] for _, batch in sent]
+
+    assert arrive(1) == [[0]], "an idle tower takes a part batch at once"
+    assert arrive(2) == [[0]] and stage.next_tick_in(0.0) is None, "computing: two of three wait, no polling"
+    assert arrive(1) == [[0], [1, 2, 3]], "full: it goes"
+    assert arrive(2) == [[0], [1, 2, 3]], "no credit left"
+    stage.handle("tower", TowerCredit(0))
+    stage.tick(0.0)
+    assert len(sent) == 2, "one batch still computing: the part batch keeps waiting"
+    stage.handle("tower", TowerCredit(0))
+    stage.tick(0.0)
+    assert [[w.item for w in b.items] for _, b in sent][2:] == [[4, 5]], "idle again: what there is goes"
+    _drop_sent(arenas, sent)
+    assert arenas[0].live_leases() == [] and arenas[1].live_leases() == [], "leases leaked"
