@@ -282,8 +282,14 @@ def content_hash(modality: str, grid_thw, pixel_dtype: str, pixels) -> int:
     The same bytes under another grid (say [1, 4, 8] and [1, 8, 4]) give other
     rows, so the grid and dtype go into the hash, not only the bytes.
     """
+    h = content_hasher(modality, grid_thw, pixel_dtype)
+    h.update(pixels)
+    return h.intdigest()
+
+
+def content_hasher(modality: str, grid_thw, pixel_dtype: str):
+    """content_hash as a running hash: update it with the pixel bytes, in any pieces."""
     h = xxhash.xxh3_64()
     h.update(f"{modality}|{pixel_dtype}|".encode())
     h.update(struct.pack(f"<{3 * len(grid_thw)}q", *(x for g in grid_thw for x in g)))
-    h.update(pixels)
-    return h.intdigest()
+    return h

@@ -31,6 +31,8 @@ class HashCache:
     def key_of(self, w: WorkItem) -> tuple:
         if self.trust_client_hash and w.client_hash is not None:
             h = w.client_hash
+        elif w.pixel_hash is not None:
+            h = w.pixel_hash
         else:
             h = content_hash(w.modality, w.grid_thw, w.pixel_dtype, self.pixel_arena.view(w.pixels))
         return (w.modality, h, w.span, self.hidden, self.dtype)

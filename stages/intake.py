@@ -19,6 +19,7 @@ from ipc.wire import ProtocolError
 from stages.base import POLL_S, Stage
 
 LIVE_RECOUNT_S = 0.01
+READ_PIECE = 512 << 10  # pixels read and hashed at a time: fits a core's L2
 from stages.records import OWNER_INTAKE, RoomFailure, RoomOpened, WorkItem
 
 log = logging.getLogger("epd.intake")
@@ -78,7 +79,7 @@ def segment_name_problem(prefix: str, name: str) -> str | None:
 class Intake:
     def __init__(self, *, prefix: str, run_id: str, pixel_arena: Arena, rooms: RoomTable,
                  patch_dim: int, merge: int, row_bytes: int, emb_arena_bytes: int, max_items_per_request: int,
-                 max_pixel_bytes_per_request: int, max_live_rooms: int):
+                 max_pixel_bytes_per_request: int, max_live_rooms: int, trust_client_hash: bool = False):
         self.prefix = prefix
         self.run_id = run_id
         self.pixel_arena = pixel_arena
@@ -90,6 +91,7 @@ class Intake:
         self.max_items = max_items_per_request
         self.max_pixel_bytes = max_pixel_bytes_per_request
         self.max_live_rooms = max_live_rooms
+        self.trust_client_hash = trust_client_hash  # the cache keys such items by the client's hash
         # Live rooms, counted at most every LIVE_RECOUNT_S and when the count reaches the
         # limit (a count scans the whole table); rooms accepted since are added, rooms
         # concluded since are not, so it errs high and is exact wherever it refuses.
@@ -209,9 +211,13 @@ class Intake:
             leases.append(lease)
 
         segments = self._take_segments(msg)
+        hashes = []
         try:
             for it, lease in zip(req.items, leases):
-                self._read_pixels(it.pixels, segments, lease)
+                hasher = (None if self.trust_client_hash and it.hash is not None
+                          else wire.content_hasher(it.modality, it.grid_thw, it.pixels.dtype))
+                self._read_pixels(it.pixels, segments, lease, hasher)
+                hashes.append(None if hasher is None else hasher.intdigest())
         except ProtocolError as e:
             for lease in leases:
                 self.pixel_arena.drop(lease, OWNER_INTAKE)
@@ -229,13 +235,13 @@ class Intake:
             return self._drop(f"room table full: {e}" if isinstance(e, TableFull) else "duplicate room")
         self._live += 1
         items = []
-        for i, (it, sp, lease) in enumerate(zip(req.items, spans, leases)):
+        for i, (it, sp, lease, h) in enumerate(zip(req.items, spans, leases, hashes)):
             self._seq += 1
             items.append(WorkItem(
                 slot=slot, room=room, item=i, seq=self._seq, modality=it.modality,
                 grid_thw=tuple(tuple(g) for g in it.grid_thw), pixel_dtype=it.pixels.dtype,
                 n_patches=it.pixels.shape[0], patch_dim=it.pixels.shape[1], span=sp,
-                pixels=lease, client_hash=it.hash))
+                pixels=lease, client_hash=it.hash, pixel_hash=h))
         self.requests[("accepted", "none")] += 1
         return IntakeResult(opened=RoomOpened(slot, room, req.request_id, tuple(spans), deadline),
                             items=items)
@@ -246,10 +252,15 @@ class Intake:
             if isinstance(fd, int):
                 _closer.close(fd)
 
-    def _read_pixels(self, px: wire.PixelsRef, segments: dict, lease: Lease) -> None:
+    def _read_pixels(self, px: wire.PixelsRef, segments: dict, lease: Lease, hasher) -> None:
+        """Into the lease, hashed piece by piece as each lands (`hasher`, if given): the
+        bytes are read once, while they are in this core's cache, where hashing them in
+        the cache stage read them again from memory."""
         view = self.pixel_arena.view(lease)
         if px.data is not None:
             view[:] = px.data
+            if hasher is not None:
+                hasher.update(view)
             return
         fd = segments[px.shm]
         if isinstance(fd, str):
@@ -260,9 +271,11 @@ class Intake:
                 f"segment {px.shm!r} holds {size} bytes; shape and dtype need {px.nbytes}")
         got = 0
         while got < px.nbytes:
-            n = os.preadv(fd, [view[got:]], got)
+            n = os.preadv(fd, [view[got:got + READ_PIECE]], got)
             if n <= 0:
                 raise ProtocolError(f"segment {px.shm!r} shrank while it was read")
+            if hasher is not None:
+                hasher.update(view[got:got + n])
             got += n
 
     def _fail_new_room(self, room: int, rid: str, reason: str) -> IntakeResult:
@@ -374,7 +387,7 @@ def build(env, name, emit, custody) -> IntakeStage:
                     row_bytes=spec.row_bytes, emb_arena_bytes=env.shared.emb_arena.size,
                     max_items_per_request=cfg.max_items_per_request,
                     max_pixel_bytes_per_request=cfg.max_pixel_bytes_per_request,
-                    max_live_rooms=cfg.max_live_rooms)
+                    max_live_rooms=cfg.max_live_rooms, trust_client_hash=cfg.trust_client_hash)
     # Inline pixels of a whole request, and room for its item list.
     max_frame = cfg.max_pixel_bytes_per_request + (1 << 20) + 4096 * cfg.max_items_per_request
     return IntakeStage(emit, intake, custody, endpoint=cfg.intake, max_frame=max_frame,

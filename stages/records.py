@@ -76,6 +76,7 @@ class WorkItem:
     span: int
     pixels: Lease | None     # in the pixel arena; None once the tower let go of them
     client_hash: int | None = None
+    pixel_hash: int | None = None  # ipc.wire.content_hash of the pixels, taken by intake as it read them
     key: tuple | None = None  # cache key, once hashed
     out: Lease | None = None  # in the embedding arena, once the scheduler reserved it
 
@@ -210,6 +211,8 @@ class RoomsLost:
 # record wakes its consumer.
 UNHURRIED = frozenset({
     ("reaper", RoomOpened),    # a deadline to watch; the items are what is urgent, and they go elsewhere
+    ("sender", RoomOpened),    # found in the round that its first alloc or item wakes (items that come
+                               # first poll for it)
     ("reaper", AllocSeen),     # who must hear how the room ends; it ends later
     ("sender", RoomSucceeded),  # what is left of the room can go
 })

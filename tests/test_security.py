@@ -446,3 +446,28 @@ def test_registered_receivers_are_bounded(env, monkeypatch):
         assert rx.wait({room: 1}, 60) and room not in rx.failed
     finally:
         ctx.destroy(linger=0)
+
+
+def test_intake_hashes_pixels_as_it_reads_them(intake, shm_prefix, monkeypatch):
+    """The hash intake takes piece by piece while reading (a piece smaller than the
+    segment, so several) is the cache's content hash of the whole; with the client's
+    hash trusted, intake does not hash."""
+    import stages.intake as intake_mod
+
+    monkeypatch.setattr(intake_mod, "READ_PIECE", 1000)  # not a multiple of anything
+    name = f"/{shm_prefix}.px.hashed"
+    data = write_file(shm.SHM_DIR + name, Item("image", *image(9)).pixels.tobytes())
+    res = intake.handle(wire.encode(segment_msg(21, name)))
+    (w,) = res.items
+    want = wire.content_hash("image", ((1, 4, 4),), "float32", data)
+    assert w.pixel_hash == want and bytes(intake.pixel_arena.view(w.pixels)) == data
+
+    intake.trust_client_hash = True
+    name2 = f"/{shm_prefix}.px.trusted"
+    write_file(shm.SHM_DIR + name2, data)
+    msg = segment_msg(22, name2)
+    msg["items"][0]["hash"] = 12345
+    (w2,) = intake.handle(wire.encode(msg)).items
+    assert w2.pixel_hash is None and w2.client_hash == 12345
+    for lease in (w.pixels, w2.pixels):
+        intake.pixel_arena.drop(lease, 1)
