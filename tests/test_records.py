@@ -55,6 +55,17 @@ def test_records_are_immutable_values():
         assert "__slots__" in vars(getattr(records, name)), f"{name} has no slots"
 
 
+def test_every_unhurried_record_is_a_route_of_the_table():
+    """A record pushed without waking its consumer (stages/records.py, UNHURRIED) is one
+    the table sends there; the records that must wake, the items and statuses, are not."""
+    routes = {(rec, dst) for rec, _, dst in table()}
+    for dest, cls in records.UNHURRIED:
+        assert (cls.__name__, dest) in routes, (cls.__name__, dest)
+    urgent = {records.WorkItem, records.Batch, records.ReadyItem, records.ShardWritten, records.ItemDone,
+              records.RoomFailure, records.Fence, records.Fenced, records.RoomsLost, records.TowerCredit}
+    assert not {cls for _, cls in records.UNHURRIED} & urgent
+
+
 def test_the_table_and_the_rings_name_the_same_edges():
     routes = {(src, dst) for _, src, dst in table()}
     assert routes == set(wiring.EDGES), (routes ^ set(wiring.EDGES))
