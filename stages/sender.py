@@ -499,7 +499,9 @@ class SenderStage(Stage):
 
     def next_tick_in(self, now: float) -> float | None:
         # Writes complete in Mooncake's threads: poll them, yielding the core meanwhile.
-        return POLL_S if self.sender.busy() else None
+        # An item that overtook its room's RoomOpened polls for it too: that record does
+        # not wake us (stages/records.py, UNHURRIED).
+        return POLL_S if self.sender.busy() or self.sender.early else None
 
     def _flush_events(self) -> None:
         s = self.sender
