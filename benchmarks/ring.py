@@ -17,6 +17,12 @@
   (the consumer / the ponger) really sleeps while the waker stays warm in both.
 - bulk_bytes_vs_memcpy: bytes per second of 4 MiB records through the ring / the
   bandwidth of np.copyto between two 4 MiB arrays in one process.  Best of trials.
+- woken_stage_cpu_vs_raw_wake (no target): the CPU a stage process spends per record
+  when each record wakes it (pipeline/host.py's Loop over one ring with a doorbell, a
+  stage that does nothing, fed one record every ``gap``) / the CPU a bare process
+  spends per wake-up asleep in a semaphore's acquire, released as often.  Both per
+  woken record, process CPU (user + system).  What a hop costs a stage before it does
+  any work of its own.
 
 All objects live under the prefix ``ringbench`` and this run's id, and are swept on
 exit, on exceptions and on SIGTERM.
@@ -365,6 +371,99 @@ def bench_latency(run_id: str, quick: bool) -> dict:
     }
 
 
+# --- CPU of a wake-up ---------------------------------------------------------------
+def _raw_wake_child(conn, sem_name, n):
+    sem = shm.open_semaphore(sem_name)
+    conn.send("ready")
+    sem.acquire()  # the first, before the clock
+    c0 = time.process_time()
+    for _ in range(n):
+        sem.acquire()
+    conn.send((time.process_time() - c0) / n)
+    sem.close()
+
+
+def _loop_wake_child(conn, run_id, what, bell_name, n):
+    import zmq
+
+    from pipeline.host import Loop, RingChannel
+    from stages.base import Stage
+
+    class Counting(Stage):
+        name = "counting"
+
+        def __init__(self, emit):
+            super().__init__(emit)
+            self.n = 0
+
+        def handle(self, source, rec):
+            self.n += 1
+
+    bell = shm.open_semaphore(bell_name)
+    ring = Ring.attach(PREFIX, run_id, what, doorbell=bell_name)
+    channel = RingChannel({"src": ring}, {}, bell, lambda: None)
+    stage = Counting(channel.emitter("counting"))
+    ctx = zmq.Context()
+    loop = Loop([stage], channel, ctx)
+    conn.send("ready")
+    while stage.n < 1:
+        loop.step(0.1)
+    c0 = time.process_time()
+    while stage.n < n + 1:
+        loop.step(0.1)
+    conn.send((time.process_time() - c0) / n)
+    loop.close()
+    ctx.term()
+    ring.close()
+    bell.close()
+
+
+def bench_wake_cpu(run_id: str, quick: bool) -> dict:
+    import pickle
+
+    from stages.records import TowerCredit
+
+    n = 1000 if quick else 5000
+    gap = 0.0005
+    bell_name = shm.object_name(PREFIX, run_id, "wbell")
+    bell = shm.create_semaphore(bell_name)
+    ring = Ring.create(PREFIX, run_id, "wake", 1 << 16, doorbell=bell_name)
+    raw_sem_name = shm.object_name(PREFIX, run_id, "wraw")
+    raw_sem = shm.create_semaphore(raw_sem_name)
+    kids = _Children()
+    try:
+        rc = kids.start(_raw_wake_child, raw_sem_name, n)
+        kids.recv(rc, "raw wake")
+        for _ in range(n + 1):
+            _busy_wait(gap)
+            raw_sem.release()
+        raw_cpu = kids.recv(rc, "raw wake")
+        lc = kids.start(_loop_wake_child, run_id, "wake", bell_name, n)
+        kids.recv(lc, "loop wake")
+        rec = pickle.dumps(TowerCredit(0), protocol=5)
+        for _ in range(n + 1):
+            _busy_wait(gap)
+            ring.push_batch([rec])
+        loop_cpu = kids.recv(lc, "loop wake")
+    finally:
+        kids.stop()
+        ring.close()
+        ring.unlink()
+        for sem in (bell, raw_sem):
+            sem.unlink()
+            sem.close()
+    ratio = loop_cpu / raw_cpu
+    print(
+        f"wake cpu   a stage's Loop woken for each record: {loop_cpu * 1e6:.1f} us of CPU per record "
+        f"(one every {gap * 1e3:.1f} ms, {n})\n"
+        f"           a bare process woken from a semaphore as often: {raw_cpu * 1e6:.1f} us per wake-up\n"
+        f"           woken_stage_cpu_vs_raw_wake = {ratio:.2f}   (no target)"
+    )
+    return {"woken_stage_cpu_vs_raw_wake": ratio,
+            "raw": {"loop_cpu_us_per_record": loop_cpu * 1e6, "raw_cpu_us_per_wake": raw_cpu * 1e6,
+                    "records": n, "gap_s": gap}}
+
+
 # --- bulk bandwidth ---------------------------------------------------------------------
 def _bulk_producer(conn, go, run_id, what, k):
     ring = Ring.attach(PREFIX, run_id, what)
@@ -456,7 +555,8 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         results: dict = {"quick": args.quick}
         raw = {}
-        for name, fn in (("records", bench_records), ("wake", bench_latency), ("bulk", bench_bulk)):
+        for name, fn in (("records", bench_records), ("wake", bench_latency), ("bulk", bench_bulk),
+                         ("wake_cpu", bench_wake_cpu)):
             r = fn(lock.run_id, args.quick)
             raw[name] = r.pop("raw")
             results.update(r)
