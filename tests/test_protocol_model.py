@@ -243,6 +243,9 @@ class ProtocolModel(RuleBasedStateMachine):
     def segment_may_remain(self, name: str) -> bool:
         return False
 
+    def may_go_unheard(self, m: Room) -> bool:
+        return False
+
     # ------------------------------------------------------------ statuses
     def pump(self, timeout: float = 0.0) -> None:
         for k, r in enumerate(self.rx):
@@ -298,7 +301,8 @@ class ProtocolModel(RuleBasedStateMachine):
                                                  for k in m.receivers()):
             self.pump(0.05)
         hanging = {m.room: sorted(k for k in m.receivers() if not m.concluded_at(k))
-                   for m in self.rooms.values() if not all(m.concluded_at(k) for k in m.receivers())}
+                   for m in self.rooms.values()
+                   if not all(m.concluded_at(k) for k in m.receivers()) and not self.may_go_unheard(m)}
         assert not hanging, (f"rooms not concluded at these receivers {self.timeout + self.bound_s:g} s "
                              f"after the last step: {hanging}; "
                              f"{[self.rooms[r] for r in list(hanging)[:3]]}")
@@ -542,6 +546,11 @@ class PipelineModel(ProtocolModel):
             assert time.monotonic() < end, f"the {stage} stage was not restarted within 60 s"
             self.pump(0.05)
 
+    def may_go_unheard(self, m: Room) -> bool:
+        # README known limit (3): allocs still in a dead sender's socket were never
+        # received; for a room the worker never sees, nobody can answer them.
+        return not m.encoded and m.sent_before_kill.get("sender", False)
+
     def segment_may_remain(self, name: str) -> bool:
         # PROTOCOL.md / README known limit (3): requests still in a dead intake's socket
         # were never received; their segments stay the gateway's.
@@ -556,10 +565,6 @@ def _machine_settings(divisor: int, floor: int, steps: int) -> settings:
     return settings(max_examples=max(floor, settings().max_examples // divisor), stateful_step_count=steps)
 
 
-@pytest.mark.skipif(bool(os.environ.get("CI")), reason=(
-    "its rules draw from the worker's live state, which Hypothesis flags as a flaky strategy "
-    "under the derandomized ci profile; run it with the dev or stress profile until the draws "
-    "stop depending on timing"))
 def test_inprocess_worker_follows_the_protocol_model(shm_prefix, tmp_path):
     InProcessModel.prefix, InProcessModel.tmp = shm_prefix, tmp_path
     run_state_machine_as_test(InProcessModel, settings=_machine_settings(6, 3, 40))
