@@ -222,6 +222,10 @@ class Intake:
             for lease in leases:
                 self.pixel_arena.drop(lease, OWNER_INTAKE)
             return self._drop(f"room table full: {e}")
+        except ValueError as e:
+            for lease in leases:
+                self.pixel_arena.drop(lease, OWNER_INTAKE)
+            return self._inserted_meanwhile(room, e)
         items = []
         for i, (it, sp, lease) in enumerate(zip(req.items, spans, leases)):
             self._seq += 1
@@ -259,6 +263,13 @@ class Intake:
                 raise ProtocolError(f"segment {px.shm!r} shrank while it was read")
             got += n
 
+    def _inserted_meanwhile(self, room: int, e: ValueError) -> IntakeResult:
+        # The reaper records a room it fails before intake saw it (canceled while its
+        # allocs were held): the request that comes after is a duplicate, not a crash.
+        if self.rooms.find(room) is None:
+            raise e
+        return self._drop("duplicate room")
+
     def _fail_new_room(self, room: int, rid: str, reason: str) -> IntakeResult:
         wire.count_reason(self.failed, reason.split(":")[0][:60])
         # One line per room would flood under overload; the reaper logs each failed room at INFO.
@@ -267,6 +278,8 @@ class Intake:
             slot = self.rooms.insert(room, rid or "?", 0, 1 << OWNER_INTAKE)
         except TableFull as e:
             return self._drop(f"room table full: {e}")
+        except ValueError as e:
+            return self._inserted_meanwhile(room, e)
         self.requests[("rejected", reason_class(reason))] += 1
         return IntakeResult(failure=RoomFailure(slot, room, reason))
 
