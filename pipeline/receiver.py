@@ -7,7 +7,7 @@ with each and sends a room's allocs and cancel to the worker the room went to.
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +15,8 @@ import zmq
 
 from ipc import wire
 from ipc.transport import Engine
+
+MAX_EARLY_FAILED = 65536  # failed statuses kept for rooms not allocated here (yet)
 
 _NP = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
@@ -66,6 +68,10 @@ class Receiver:
         self.failed: dict[int, str] = {}
         self.violations: list[str] = []  # protocol breaches seen on the status socket (the first 1000)
         self.dropped = Counter()  # statuses not applied, by kind (breaches and rooms never allocated)
+        # `failed` for rooms not allocated here (yet): a worker that does not know who
+        # allocated tells every receiver, once; one that allocates later hears nothing more.
+        self.early_failed: OrderedDict[int, dict] = OrderedDict()
+        self._heard_early: list[dict] = []  # early statuses of rooms allocated since: poll() returns them
         for endpoint in [bootstrap] if isinstance(bootstrap, str) else bootstrap:
             self.add_worker(endpoint)
 
@@ -128,6 +134,10 @@ class Receiver:
         shard = Shard(room, item, row_start, n_rows, hidden, deepstack_width, dtype,
                       offset, offset + main_bytes, nbytes)
         self.shards[(room, item)] = shard
+        early = self.early_failed.pop(room, None)
+        if early is not None and room not in self.failed:
+            self.failed[room] = early["reason"]
+            self._heard_early.append(early)
         self._send({"type": "alloc", "room": room, "item": item,
                     "dst": self.address + offset if n_rows else 0,
                     "dst_deepstack": self.address + shard.ds_offset if n_rows and deepstack_width else 0,
@@ -140,7 +150,7 @@ class Receiver:
 
     # ------------------------------------------------------------ status
     def poll(self, timeout: float = 0.0) -> list[dict]:
-        out = []
+        out, self._heard_early = self._heard_early, []
         if self.status_sock.poll(int(timeout * 1000)):
             while True:
                 try:
@@ -177,8 +187,12 @@ class Receiver:
             if room in self.failed:
                 return self._reject("second failed", f"second failed for room {room}")
             if not any(key[0] == room for key in self.shards):
-                # Not a breach: a worker whose sender died tells every receiver.
+                # Not a breach: a worker whose sender died tells every receiver. Kept (a
+                # bounded while) in case this receiver allocates for the room after all.
                 self.dropped["never allocated"] += 1
+                self.early_failed[room] = st
+                if len(self.early_failed) > MAX_EARLY_FAILED:
+                    self.early_failed.popitem(last=False)
                 return None
             self.failed[room] = reason
         return st

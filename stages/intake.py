@@ -229,10 +229,14 @@ class Intake:
         try:
             slot = self.rooms.insert(room, req.request_id, len(req.items), 1 << OWNER_INTAKE,
                                      deadline=deadline, state=RoomState.BOOTSTRAPPING)
-        except (TableFull, ValueError) as e:  # ValueError: the room is there already
+        except TableFull as e:
             for lease in leases:
                 self.pixel_arena.drop(lease, OWNER_INTAKE)
-            return self._drop(f"room table full: {e}" if isinstance(e, TableFull) else "duplicate room")
+            return self._drop(f"room table full: {e}")
+        except ValueError as e:  # the room is there already
+            for lease in leases:
+                self.pixel_arena.drop(lease, OWNER_INTAKE)
+            return self._inserted_meanwhile(room, e)
         self._live += 1
         items = []
         for i, (it, sp, lease, h) in enumerate(zip(req.items, spans, leases, hashes)):
@@ -278,13 +282,20 @@ class Intake:
                 hasher.update(view[got:got + n])
             got += n
 
+    def _inserted_meanwhile(self, room: int, e: ValueError) -> IntakeResult:
+        # A second message for a room, or one the reaper recorded when it failed it before
+        # intake saw it (canceled while its allocs were held): the first one's stands.
+        if self.rooms.find(room) is None:
+            raise e
+        return self._drop("duplicate room")
+
     def _fail_new_room(self, room: int, rid: str, reason: str) -> IntakeResult:
         try:
             slot = self.rooms.insert(room, rid or "?", 0, 1 << OWNER_INTAKE)
         except TableFull as e:
             return self._drop(f"room table full: {e}")
-        except ValueError:  # a second message for a room: the first one's stands
-            return self._drop("duplicate room")
+        except ValueError as e:
+            return self._inserted_meanwhile(room, e)
         wire.count_reason(self.failed, reason.split(":")[0][:60])
         # One line per room would flood under overload; the reaper logs each failed room at INFO.
         log.debug("room failed at intake: room=%d request_id=%s reason=%s", room, rid, reason)

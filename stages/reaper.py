@@ -125,7 +125,7 @@ class Reaper:
         self.deadlines: list[tuple[float, int, int]] = []
         self.tombstones: OrderedDict[int, tuple[float, int]] = OrderedDict()  # room -> (concluded, slot)
         self.registrations: dict = {}
-        self.sender_died_at = 0.0
+        self.sender_died_at = float("-inf")
         self.outcomes = Counter()
         self.concluded_by_reason = Counter()  # (outcome, reason class) -> rooms
         self.latency = Histogram()            # room opened to concluded, seconds
@@ -168,9 +168,9 @@ class Reaper:
             case Fenced(room=room, receivers=receivers):
                 self._fenced(room, receivers)
             case LateAlloc(room=room, receiver=receiver):
-                self._alloc_after_all(room, receiver, "unknown room")
+                self._alloc_after_all(room, receiver, "unknown room", dropped=False)
             case UnknownRoom(room=room, receiver=receiver, reason=reason):
-                self._alloc_after_all(room, receiver, reason)
+                self._alloc_after_all(room, receiver, reason, dropped=True)
             case _:
                 raise ValueError(f"unknown event {ev!r}")
 
@@ -189,7 +189,7 @@ class Reaper:
             reason = entry.reason if entry else "room failed"
         to = set(receivers) | self.allocated.get(room, set())
         entry = self._entry(room)
-        if entry is not None and (entry.created <= self.sender_died_at or reason.startswith(AUDIENCE_UNKNOWN)):
+        if entry is not None and (self._allocs_maybe_lost(entry) or reason.startswith(AUDIENCE_UNKNOWN)):
             # Allocs a dead sender had received were never acknowledged, and a room the
             # watchdog fails lost a record somewhere: who allocated is not known for sure,
             # so every registered receiver hears (and ignores a room it never allocated
@@ -198,8 +198,16 @@ class Reaper:
         for r in sorted(to):
             self._tell_failed(room, r, reason)
 
-    def _alloc_after_all(self, room: int, receiver: str, unknown_reason: str) -> None:
-        """An alloc for a room that is concluded, or was never seen (`unknown_reason`)."""
+    def _allocs_maybe_lost(self, entry) -> bool:
+        """Could a dead sender have taken allocs for this room along? Allocs may come
+        before their room (held up to bootstrap_timeout_s), and a request may reach the
+        table well after a sender died (in a restarting intake's socket): a room created
+        up to that long after the death may miss an alloc nobody will ever see again."""
+        return entry.created <= self.sender_died_at + self.bootstrap_timeout_s + self.restart_margin_s
+
+    def _alloc_after_all(self, room: int, receiver: str, unknown_reason: str, dropped: bool) -> None:
+        """An alloc for a room that is concluded, or was never seen (`unknown_reason`), or
+        that the sender `dropped` (could not hold) although the room is in the table."""
         entry = self._entry(room)
         if entry is None:
             reason = unknown_reason
@@ -210,6 +218,17 @@ class Reaper:
         elif entry.state == RoomState.FAILED:
             reason = entry.reason
         elif room in self.reasons:  # failing, fence not yet answered: it will tell them
+            self.allocated.setdefault(room, set()).add(receiver)
+            return
+        elif entry.state < RoomState.SUCCESS:
+            # Live, and yet the sender answered: it fenced the room already (LateAlloc; a
+            # dead predecessor of ours failed it, and its record or the watchdog fails it
+            # again), or it could not hold the alloc (UnknownRoom: too many held, or held
+            # past bootstrap_timeout_s while the room was on its way), so the room cannot
+            # succeed at this receiver. Its fence tells every receiver, this one too.
+            self.allocated.setdefault(room, set()).add(receiver)
+            if dropped:
+                self.fail(RoomFailure(entry.slot, room, unknown_reason))
             return
         else:
             reason = "room already concluded"
@@ -365,8 +384,14 @@ class ReaperStage(Stage):
             if room not in in_table:
                 r.tombstones[room] = (told_at, None)
         r.tombstones = OrderedDict(sorted(r.tombstones.items(), key=lambda kv: kv[1][0]))
-        for receiver, (session, status) in self.receivers.load().items():
+        registered = self.receivers.load()
+        for receiver, (session, status) in registered.items():
             r.on_event(Registered(Register(receiver, session, status)))
+        if registered or in_table:
+            # A predecessor was here (the tables are empty at the worker's start): whether
+            # a sender died meanwhile, and who allocated (AllocSeen), died with it. Rooms
+            # that fail soon are told to every registered receiver, as after a sender death.
+            r.sender_died_at = time.monotonic()
 
     def handle(self, source: str, rec) -> None:
         r = self.reaper

@@ -87,7 +87,8 @@ class Sender:
             self.held.setdefault(a.room, []).append((since, a, slot))
         self.early: dict[int, list[ReadyItem]] = {}  # items that overtook their room's RoomOpened
         # Rooms fenced before their RoomOpened came: the reaper fences before the room
-        # table says Failed, so on_opened cannot rely on the table alone.
+        # table says Failed, so on_opened cannot rely on the table alone. (And rooms fenced
+        # after it, so that a later alloc is answered, not held for it.)
         self.fenced_unopened: OrderedDict[int, float] = OrderedDict()  # room -> when fenced
         self.n_held = len(held)
         self.events: list = []  # records for the reaper
@@ -138,9 +139,13 @@ class Sender:
                 self._release(r)
             return
         self.live[opened.room] = _RoomTx(opened.slot, [_ItemTx(s) for s in opened.spans])
-        for arrival, a, _ in self.held.get(opened.room, ()):
+        # Out of the held table first: a bad one fails and fences the room, and the next
+        # ones then meet no live room (they are answered, not held again, let alone held
+        # again onto the very list being read, which went round until the table was full).
+        held = self.held.get(opened.room, [])
+        arrivals = [arrival for arrival, _, _ in held]
+        for arrival, a in zip(arrivals, self._unhold(opened.room)):
             self._on_alloc(a, arrival)
-        self._unhold(opened.room)
         for r in self.early.pop(opened.room, []):
             self._adopt(r)
 
@@ -386,9 +391,7 @@ class Sender:
         """Stop the room: no new write starts; once none is in flight, report `fenced`."""
         tx = self.live.get(room)
         if tx is None:
-            self.fenced_unopened[room] = time.monotonic()
-            if len(self.fenced_unopened) > MAX_FENCED_UNOPENED:
-                self.fenced_unopened.popitem(last=False)
+            self._remember_fenced(room)
             receivers = sorted({a.receiver for a in self._unhold(room)})
             for r in self.early.pop(room, []):
                 self._release(r)
@@ -403,9 +406,17 @@ class Sender:
         if not tx.writes:
             self._conclude_fence(room, tx)
 
+    def _remember_fenced(self, room: int) -> None:
+        self.fenced_unopened[room] = time.monotonic()
+        if len(self.fenced_unopened) > MAX_FENCED_UNOPENED:
+            self.fenced_unopened.popitem(last=False)
+
     def _conclude_fence(self, room: int, tx: _RoomTx) -> None:
         self.events.append(Fenced(room, tuple(sorted(tx.receivers))))
         del self.live[room]
+        # An alloc that comes later is answered (LateAlloc), not held for a RoomOpened
+        # that came already: the room is in the table, live until the reaper marks it.
+        self._remember_fenced(room)
 
     def forget(self, room: int) -> None:
         """The room concluded Success: drop what is left of it."""

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from ipc import shm
 from pipeline.client import Client, Item
 from pipeline.receiver import Receiver
-from tests.helpers import PATCH_DIM, expected_sim_rows, image, sim_config, start_worker
+from tests.helpers import PATCH_DIM, expected_sim_rows, free_port, image, sim_config, start_worker
 
 pytestmark = pytest.mark.timeout(300)
 _rooms = itertools.count(50_000)
@@ -916,3 +916,27 @@ def test_hypothesis_bootstrap_with_one_field_corrupted(shm_prefix, tmp_path):
         rx.close()
         client.close()
         w.close()
+
+
+def test_a_failed_heard_before_the_receivers_alloc_concludes_the_room_when_it_allocates():
+    """A worker that cannot know who allocated (its sender died) tells every registered
+    receiver `failed`, once: one that allocates for the room only afterwards hears nothing
+    more, so the receiver keeps the early status and the room concludes at its alloc."""
+    rx = Receiver("rx-early", f"tcp://127.0.0.1:{free_port()}", buffer_bytes=1 << 20)
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(rx.status_endpoint)
+    try:
+        push.send(_status(42, reason="the sender stage died while it held this room"))
+        deadline = time.monotonic() + 10
+        while not rx.early_failed and time.monotonic() < deadline:  # nothing to apply yet
+            assert rx.poll(0.05) == []
+        assert 42 not in rx.failed and not rx.violations
+        rx.alloc(42, 0, span=4, hidden=64, dtype="bfloat16")
+        assert rx.concluded(42, 1) and rx.failed[42] == "the sender stage died while it held this room"
+        assert [st["room"] for st in rx.poll()] == [42]  # reported once, as if it came now
+        assert rx.poll() == [] and not rx.violations
+    finally:
+        push.close()
+        rx.workers.popitem()[1].close(linger=0)
+        rx.close()

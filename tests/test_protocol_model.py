@@ -110,6 +110,7 @@ class Room:
     short_deadline: bool = False
     exposed: bool = False  # open across a stage kill
     sent_before_kill: dict = field(default_factory=dict)  # stage -> True: sent before a kill of it
+    duplicates: list = field(default_factory=list)  # (seed, grid) of each duplicate request's one item
     segments: list = field(default_factory=list)
     success: dict = field(default_factory=dict)   # rx -> {item}
     failed: dict = field(default_factory=dict)    # rx -> reason
@@ -243,6 +244,9 @@ class ProtocolModel(RuleBasedStateMachine):
     def segment_may_remain(self, name: str) -> bool:
         return False
 
+    def may_go_unheard(self, m: Room) -> bool:
+        return False
+
     # ------------------------------------------------------------ statuses
     def pump(self, timeout: float = 0.0) -> None:
         for k, r in enumerate(self.rx):
@@ -282,14 +286,23 @@ class ProtocolModel(RuleBasedStateMachine):
         return main.tobytes() + (b"" if deep is None else deep.tobytes())
 
     def check_rows(self, k: int, m: Room, item: int) -> None:
-        seed, grid = m.seeds[item]
-        main, deep = sim_rows(seed, grid, self.spec)
         shard = next(s for s in m.plan[item] if s.rx == k)
         got_main, got_deep = self.rx[k].rows(m.room, item)
         sl = slice(shard.row_start, shard.row_start + shard.n_rows)
-        assert np.array_equal(got_main, main[sl]), f"rx{k}: room {m.room} item {item}: main rows differ"
-        if self.spec.deepstack_width:
-            assert np.array_equal(got_deep, deep[sl]), f"rx{k}: room {m.room} item {item}: deepstack differs"
+        images = [m.seeds[item]]
+        if item == 0 and m.sent_before_kill.get("intake"):
+            # README known limit (3): the request may have died in the killed intake's
+            # socket, and then a "duplicate" sent after it is the room the worker knows.
+            images += m.duplicates
+        for seed, grid in images:
+            main, deep = sim_rows(seed, grid, self.spec)
+            if main.shape[0] < sl.stop or not np.array_equal(got_main, main[sl]):
+                continue
+            if self.spec.deepstack_width:
+                assert np.array_equal(got_deep, deep[sl]), f"rx{k}: room {m.room} item {item}: deepstack differs"
+            return
+        raise AssertionError(f"rx{k}: room {m.room} item {item}: main rows differ from those of "
+                             f"{images[0]}" + (f" and of its duplicates {images[1:]}" if images[1:] else ""))
 
     def settle(self) -> None:
         """Every room with an alloc concludes at each of its receivers; then the end checks."""
@@ -298,7 +311,8 @@ class ProtocolModel(RuleBasedStateMachine):
                                                  for k in m.receivers()):
             self.pump(0.05)
         hanging = {m.room: sorted(k for k in m.receivers() if not m.concluded_at(k))
-                   for m in self.rooms.values() if not all(m.concluded_at(k) for k in m.receivers())}
+                   for m in self.rooms.values()
+                   if not all(m.concluded_at(k) for k in m.receivers()) and not self.may_go_unheard(m)}
         assert not hanging, (f"rooms not concluded at these receivers {self.timeout + self.bound_s:g} s "
                              f"after the last step: {hanging}; "
                              f"{[self.rooms[r] for r in list(hanging)[:3]]}")
@@ -500,6 +514,7 @@ class ProtocolModel(RuleBasedStateMachine):
         note(f"a duplicate of room {m.room} (image {seed}, inline={inline})")
         msg = self.client.message(m.room, "duplicate", [Item("image", *image(seed))], inline=inline)
         self.dup_segments.extend(it["pixels"]["shm"] for it in msg["items"] if "shm" in it["pixels"])
+        m.duplicates.append((seed, (1, 4, 4)))  # image()'s default grid
         self.client.send(msg)
         self.pump()
 
@@ -542,12 +557,18 @@ class PipelineModel(ProtocolModel):
             assert time.monotonic() < end, f"the {stage} stage was not restarted within 60 s"
             self.pump(0.05)
 
+    def may_go_unheard(self, m: Room) -> bool:
+        # README known limit (3): allocs still in a dead sender's socket were never
+        # received; for a room the worker never sees, nobody can answer them.
+        return not m.encoded and m.sent_before_kill.get("sender", False)
+
     def segment_may_remain(self, name: str) -> bool:
         # PROTOCOL.md / README known limit (3): requests still in a dead intake's socket
         # were never received; their segments stay the gateway's.
         for m in self.rooms.values():
             if name in m.segments and m.sent_before_kill.get("intake"):
-                return all(m.failed.get(k) == "unknown room" for k in m.receivers())
+                # (or a duplicate sent later became the room: see check_rows)
+                return bool(m.duplicates) or all(m.failed.get(k) == "unknown room" for k in m.receivers())
         return name in self.dup_segments and "intake" in self.kills
 
 
@@ -556,10 +577,6 @@ def _machine_settings(divisor: int, floor: int, steps: int) -> settings:
     return settings(max_examples=max(floor, settings().max_examples // divisor), stateful_step_count=steps)
 
 
-@pytest.mark.skipif(bool(os.environ.get("CI")), reason=(
-    "its rules draw from the worker's live state, which Hypothesis flags as a flaky strategy "
-    "under the derandomized ci profile; run it with the dev or stress profile until the draws "
-    "stop depending on timing"))
 def test_inprocess_worker_follows_the_protocol_model(shm_prefix, tmp_path):
     InProcessModel.prefix, InProcessModel.tmp = shm_prefix, tmp_path
     run_state_machine_as_test(InProcessModel, settings=_machine_settings(6, 3, 40))

@@ -372,3 +372,41 @@ def test_when_who_allocated_is_not_known_every_registered_receiver_hears(tables,
         stage.pushed()
         feed(stage, "sender", Fenced(ROOM, ()))  # the sender never saw the room
     assert sorted(r for r, msg in pusher.sent if msg["state"] == "failed") == ["rx-a", "rx-b"], pusher.sent
+
+
+@pytest.mark.parametrize("reaper_restarted", [False, True])
+def test_a_room_that_arrives_after_the_sender_died_is_told_to_every_registered_receiver(tables, rooms,
+                                                                                        reaper_restarted):
+    """Allocs come before their room (held), and a request can reach the room table after
+    the sender died (it waited in a restarting intake's socket): rx-b's alloc died with the
+    sender, the room arrives after the death and times out at the successor, which never
+    saw rx-b. rx-b must hear too, also when the reaper that saw the death died since."""
+    stage, pusher, _ = make_reaper(tables, bootstrap_timeout_s=0.2, heartbeat_timeout_s=0.1)
+    for rx in ("rx-a", "rx-b"):
+        reg = wire.Register(rx, "127.0.0.1:1", f"tcp://127.0.0.1:{len(rx)}")
+        tables[2].put(reg.receiver, reg.session, reg.status)  # as the sender does, before telling anyone
+        feed(stage, "sender", Registered(reg))
+    feed(stage, "supervisor", RoomsLost((), "the sender stage died while it held this room", died="sender"))
+    if reaper_restarted:
+        stage.close()
+        stage, pusher, _ = make_reaper(tables, bootstrap_timeout_s=0.2, heartbeat_timeout_s=0.1)
+    slot = rooms.insert(ROOM, "req", 1, OWNER_INTAKE)  # after the death
+    feed(stage, "intake", RoomOpened(slot, ROOM, "req", (4,), 0.0))
+    feed(stage, "sender", RoomFailure(slot, ROOM, "allocs for item 0 incomplete (bootstrap_timeout_s)"))
+    feed(stage, "sender", Fenced(ROOM, ("rx-a",)))
+    assert sorted(r for r, msg in pusher.sent if msg["state"] == "failed") == ["rx-a", "rx-b"], pusher.sent
+    stage.close()
+
+
+def test_an_alloc_the_sender_could_not_hold_fails_a_live_room(reaper, rooms):
+    """The sender drops an alloc it cannot hold (too many held) and answers UnknownRoom,
+    but the room is in the table already (its RoomOpened still on the way): the room can
+    never succeed at that receiver, so it fails, with the sender's reason, at every one."""
+    stage, pusher, slot, emitted = reaper
+    why = "alloc for a room this worker has not seen, and it already holds 3 such allocs (max_held_allocs)"
+    feed(stage, "sender", UnknownRoom(ROOM, "prefill-1", why))
+    assert pusher.sent == [] and ("sender", Fence(ROOM)) in emitted  # fenced first, told after
+    feed(stage, "sender", Fenced(ROOM, (RECEIVER,)))
+    assert sorted((r, m["state"], m["reason"]) for r, m in pusher.sent) == [
+        (RECEIVER, "failed", why), ("prefill-1", "failed", why)]
+    assert rooms.get(slot).state == RoomState.FAILED

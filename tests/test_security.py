@@ -226,6 +226,33 @@ def test_segment_changed_after_the_worker_took_it(intake, shm_prefix, monkeypatc
             os.unlink(shm.SHM_DIR + name)
 
 
+@pytest.mark.parametrize("good", [True, False])
+def test_a_room_the_reaper_records_while_intake_reads_its_request_is_a_duplicate(intake, good):
+    """The reaper records a room it fails before intake has seen it (a cancel while its
+    allocs were held at the sender): it can land between intake's duplicate check and its
+    insert. That request is a duplicate (dropped, its pixels given back), not a crash of
+    the intake stage (one that cost a restart and the requests in its socket)."""
+    room = 7
+    real_find = intake.rooms.find
+    calls = []
+
+    def find_then_reaper_inserts(r):
+        found = real_find(r)
+        if not calls:
+            calls.append(r)
+            intake.rooms.insert(r, "?", 0, 0, existing_ok=True)  # the reaper, on the other core
+        return found
+
+    intake.rooms.find = find_then_reaper_inserts
+    msg = {"v": 1, "type": "encode", "request_id": "raced", "room": room,
+           "items": [{"modality": "image", "grid_thw": [[1, 4, 4] if good else [1, 3, 4]],
+                      "pixels": {"data": image(5)[1].tobytes(), "shape": [16, PATCH_DIM], "dtype": "float32"}}]}
+    res = intake.handle(wire.encode(msg))
+    assert res.opened is None and res.failure is None and not res.items
+    assert intake.dropped["duplicate room"] == 1
+    assert intake.pixel_arena.used_bytes() == 0
+
+
 def test_segment_name_rules(intake, shm_prefix):
     p = shm_prefix
     ok = [f"/{p}.px.1", f"/{p}", f"/{p}x y", f"/{p}..", f"/{p}-notours"]

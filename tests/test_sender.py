@@ -94,3 +94,27 @@ def test_allocs_held_for_an_unseen_room_outlive_the_sender(sender, shm_prefix):
     successor._timeouts(since + 61.0)
     assert successor.events == [UnknownRoom(ROOM, "rx", "unknown room")]
     assert successor.n_held == 0 and len(successor.held_table) == 0
+
+
+def test_a_bad_held_alloc_fails_its_room_once_and_the_rest_are_answered(sender):
+    """Allocs held before their RoomOpened, the first of them bad: it fails and fences the
+    room as it opens; the others are answered, not held again (that went round and round
+    until the held table was full, and every alloc after it was dropped)."""
+    from ipc.wire import Alloc
+
+    s, rooms = sender
+    slot = rooms.insert(ROOM, "req", 2, OWNER_INTAKE)
+    mk = lambda rx, item, span: Alloc(receiver=rx, room=ROOM, item=item, dst=4096, dst_deepstack=0,  # noqa: E731
+                                      row_start=0, n_rows=span, span=span, hidden=8, dtype="bfloat16",
+                                      deepstack_width=0, fanout=1)
+    s._on_alloc(mk("rx-a", 0, 5), time.monotonic())  # span 5: the room's is 4
+    s._on_alloc(mk("rx-b", 1, 4), time.monotonic())
+    assert s.n_held == 2
+    s.on_opened(RoomOpened(slot, ROOM, "req", [4, 4], 0.0))
+    assert s.n_held == 0 and len(s.held_table) == 0 and not s.held
+    kinds = [type(e).__name__ for e in s.events]
+    assert kinds == ["AllocSeen", "RoomFailure", "Fenced", "LateAlloc"], s.events
+    assert s.events[-1] == LateAlloc(ROOM, "rx-b")
+    s.events.clear()
+    s._on_alloc(mk("rx-c", 1, 4), time.monotonic())  # later still: answered too
+    assert s.events == [LateAlloc(ROOM, "rx-c")] and not s.held
