@@ -21,7 +21,12 @@ from stages import registry
 
 # (producer, consumer) between stage kinds; `edges()` gives each tower replica its own.
 EDGES = [
-    # items first: they are on the critical path (the sender holds an item that
+    # A consumer takes its rings in this order each round. The supervisor's first: the
+    # reaper must learn of a sender's death (RoomsLost) before it handles what the
+    # successor sender answers (a Fenced that names only the receivers the successor
+    # saw), or it tells only those and a receiver whose alloc died waits for ever.
+    ("supervisor", "reaper"),
+    # then items: they are on the critical path (the sender holds an item that
     # overtakes its room's RoomOpened until the room arrives)
     ("intake", "cache"), ("intake", "sender"), ("intake", "reaper"),
     ("cache", "scheduler"), ("cache", "sender"), ("cache", "reaper"),
@@ -29,7 +34,6 @@ EDGES = [
     ("tower", "sender"), ("tower", "cache"), ("tower", "scheduler"), ("tower", "reaper"),
     ("sender", "reaper"),
     ("reaper", "sender"), ("reaper", "cache"), ("reaper", "scheduler"),
-    ("supervisor", "reaper"),
 ]
 
 

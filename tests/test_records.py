@@ -133,3 +133,11 @@ def test_what_the_stages_emit_is_in_the_table(shm_prefix, tmp_path, monkeypatch)
     assert not unknown, f"emitted but not in the table: {sorted(unknown)}"
     untaken = table() - seen - ON_DEATH_ONLY - ON_SHORTAGE_ONLY - SENT_BY_THE_RUNTIME
     assert not untaken, f"routes this workload should take but did not: {sorted(untaken)}"
+
+
+def test_the_reaper_takes_the_supervisors_ring_first():
+    """A consumer takes its rings in EDGES order each round: the reaper must handle a
+    sender's death (RoomsLost) before its successor's answers (Fenced naming only the
+    receivers the successor saw), or it would not tell every receiver."""
+    for replicas in (1, 3):
+        assert wiring.inputs_of("reaper", replicas)[0] == "supervisor"
