@@ -384,14 +384,18 @@ class ReaperStage(Stage):
             if room not in in_table:
                 r.tombstones[room] = (told_at, None)
         r.tombstones = OrderedDict(sorted(r.tombstones.items(), key=lambda kv: kv[1][0]))
-        registered = self.receivers.load()
-        for receiver, (session, status) in registered.items():
-            r.on_event(Registered(Register(receiver, session, status)))
+        registered = self._reload_registrations()
         if registered or in_table:
             # A predecessor was here (the tables are empty at the worker's start): whether
             # a sender died meanwhile, and who allocated (AllocSeen), died with it. Rooms
             # that fail soon are told to every registered receiver, as after a sender death.
             r.sender_died_at = time.monotonic()
+
+    def _reload_registrations(self) -> dict:
+        registered = self.receivers.load()
+        for receiver, (session, status) in registered.items():
+            self.reaper.on_event(Registered(Register(receiver, session, status)))
+        return registered
 
     def handle(self, source: str, rec) -> None:
         r = self.reaper
@@ -404,6 +408,10 @@ class ReaperStage(Stage):
                 writes_gone = died == "sender"
                 if writes_gone:
                     r.sender_died_at = time.monotonic()
+                    # A sender writes a registration into the shared table before it tells
+                    # us; one killed in between took the telling along, and we would send
+                    # that receiver's statuses to the endpoint of its previous incarnation.
+                    self._reload_registrations()
                 for slot, room in rooms:
                     r.fail(RoomFailure(slot, room, reason))
                     if writes_gone:

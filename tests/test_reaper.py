@@ -410,3 +410,22 @@ def test_an_alloc_the_sender_could_not_hold_fails_a_live_room(reaper, rooms):
     assert sorted((r, m["state"], m["reason"]) for r, m in pusher.sent) == [
         (RECEIVER, "failed", why), ("prefill-1", "failed", why)]
     assert rooms.get(slot).state == RoomState.FAILED
+
+
+def test_a_registration_whose_telling_died_with_the_sender_is_read_back(tables):
+    """A restarted receiver (same id, new status endpoint) registers with a sender that
+    writes the receiver table and is killed before its Registered reaches the reaper: the
+    sender's death makes the reaper read the table again, so the room failed next goes to
+    the new endpoint, not the dead incarnation's."""
+    rooms, _, receivers = tables
+    receivers.put(RECEIVER, "127.0.0.1:1", "tcp://127.0.0.1:5001")
+    stage, pusher, _ = make_reaper(tables)
+    assert pusher.endpoints[RECEIVER] == "tcp://127.0.0.1:5001"
+    receivers.put(RECEIVER, "127.0.0.1:2", "tcp://127.0.0.1:5002")  # ... and the sender dies
+    slot = rooms.insert(ROOM, "req-7", 1, OWNER_INTAKE)
+    feed(stage, "intake", RoomOpened(slot, ROOM, "req-7", (4,), 0.0))
+    feed(stage, "supervisor", RoomsLost(((slot, ROOM),), "the sender stage died while it held this room",
+                                        died="sender"))
+    assert pusher.endpoints[RECEIVER] == "tcp://127.0.0.1:5002"
+    assert [(r, m["state"]) for r, m in pusher.sent] == [(RECEIVER, "failed")]
+    stage.close()
