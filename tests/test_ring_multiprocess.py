@@ -109,11 +109,11 @@ def _plan_publish_death(k: int, where: str) -> None:
     publish = Ring._publish
     calls = [0]
 
-    def dying_publish(self, new_head, n):
+    def dying_publish(self, new_head, n, wake_consumer=True):
         calls[0] += 1
         if calls[0] == k and where == "before":
             _die()  # payload written, head not stored
-        publish(self, new_head, n)
+        publish(self, new_head, n, wake_consumer)
         if calls[0] == k:
             _die()  # head stored, the producer's own bookkeeping not
 
