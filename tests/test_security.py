@@ -229,21 +229,20 @@ def test_segment_changed_after_the_worker_took_it(intake, shm_prefix, monkeypatc
 @pytest.mark.parametrize("good", [True, False])
 def test_a_room_the_reaper_records_while_intake_reads_its_request_is_a_duplicate(intake, good):
     """The reaper records a room it fails before intake has seen it (a cancel while its
-    allocs were held at the sender): it can land between intake's duplicate check and its
-    insert. That request is a duplicate (dropped, its pixels given back), not a crash of
-    the intake stage (one that cost a restart and the requests in its socket)."""
+    allocs were held at the sender): it can land while intake reads the request, just
+    before its insert. That request is a duplicate (dropped, its pixels given back), not
+    a crash of the intake stage (one that cost a restart and the requests in its socket)."""
     room = 7
-    real_find = intake.rooms.find
+    real_insert = intake.rooms.insert
     calls = []
 
-    def find_then_reaper_inserts(r):
-        found = real_find(r)
+    def reaper_inserts_first(r, *args, **kw):
         if not calls:
             calls.append(r)
-            intake.rooms.insert(r, "?", 0, 0, existing_ok=True)  # the reaper, on the other core
-        return found
+            real_insert(r, "?", 0, 0, existing_ok=True)  # the reaper, on the other core
+        return real_insert(r, *args, **kw)
 
-    intake.rooms.find = find_then_reaper_inserts
+    intake.rooms.insert = reaper_inserts_first
     msg = {"v": 1, "type": "encode", "request_id": "raced", "room": room,
            "items": [{"modality": "image", "grid_thw": [[1, 4, 4] if good else [1, 3, 4]],
                       "pixels": {"data": image(5)[1].tobytes(), "shape": [16, PATCH_DIM], "dtype": "float32"}}]}
