@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import pickle
+import signal
 import threading
 import time
 from collections import deque
@@ -54,6 +56,9 @@ class Supervisor(Runtime):
         self.restart_counts = {name: 0 for name in self.stages}
         self.pending_restart: dict[str, float] = {}
         self.fatal: str | None = None
+        self._hung: dict[str, int] = {}  # stage -> pid of the process the hang killer SIGKILLed
+        self._watching = threading.Event()  # cleared to stop the hang killer
+        self._hang_killer: threading.Thread | None = None
         self.spec_kwargs: dict | None = None
         self._mp = mp.get_context("spawn")
         self.metrics: MetricsServer | None = None  # the Prometheus endpoint; .port is the one bound
@@ -121,6 +126,9 @@ class Supervisor(Runtime):
                     self.metrics = MetricsServer(self.cfg.metrics_endpoint, self.metrics_snapshot, self.health)
                 except MetricsError as e:
                     raise PipelineError(str(e)) from None
+            self._watching.set()
+            self._hang_killer = threading.Thread(target=self._kill_hung, name="hang-killer", daemon=True)
+            self._hang_killer.start()
             order = registry.start_order(self.cfg.tower_replicas)
             for n, name in enumerate(order, 1):
                 self.notifier.status(f"starting the {name} stage ({n} of {len(order)})")
@@ -154,15 +162,33 @@ class Supervisor(Runtime):
                     self._restart(name)
                 continue
             if not proc.is_alive():
-                self._died(name, f"exited with code {proc.exitcode}")
-                continue
-            row = self.hb.row(name)
-            if row[Heartbeats.READY] and now - row[Heartbeats.BEAT] > self.cfg.heartbeat_timeout_s:
-                log.error("the %s stage (pid %d) missed its heartbeat for %.1f s: killing it",
-                          name, proc.pid, now - row[Heartbeats.BEAT])
-                proc.kill()
-                proc.join(10)
-                self._died(name, "hung (no heartbeat)")
+                hung = self._hung.pop(name, None) == proc.pid
+                self._died(name, "hung (no heartbeat)" if hung else f"exited with code {proc.exitcode}")
+
+    def _kill_hung(self) -> None:
+        """SIGKILL every stage whose heartbeat is older than heartbeat_timeout_s; check()
+        then finds it dead. A thread of its own that takes no lock: a stage stopped while
+        it held an arena's or the room table's lock blocks whoever wants that lock next,
+        the supervisor's main loop included (a dead stage's arena references are reclaimed
+        under it), and only killing the stopped stage frees it."""
+        while self._watching.is_set():
+            now = time.monotonic()
+            for name, proc in list(self.procs.items()):
+                if proc is None or self._hung.get(name) == proc.pid:
+                    continue
+                row = self.hb.row(name)
+                # READY is cleared before a successor starts, and PID is the process's own:
+                # a stage starting, or one that just died, is not this one's to kill.
+                if (row[Heartbeats.READY] and int(row[Heartbeats.PID]) == proc.pid
+                        and now - row[Heartbeats.BEAT] > self.cfg.heartbeat_timeout_s):
+                    log.error("the %s stage (pid %d) missed its heartbeat for %.1f s: killing it",
+                              name, proc.pid, now - row[Heartbeats.BEAT])
+                    self._hung[name] = proc.pid
+                    try:
+                        os.kill(proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            time.sleep(0.05)
 
     def _died(self, name: str, why: str) -> None:
         proc = self.procs[name]
@@ -309,6 +335,10 @@ class Supervisor(Runtime):
             proc.join(5)
 
     def _stop_processes(self, timeout: float) -> None:
+        self._watching.clear()  # stages that stop stop beating: not hung
+        if self._hang_killer is not None:
+            self._hang_killer.join(5)
+            self._hang_killer = None
         for name in list(self.procs):
             proc = self.procs.get(name)
             if proc is not None and proc.is_alive():

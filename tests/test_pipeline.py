@@ -138,6 +138,41 @@ def test_hung_stage_is_killed_and_restarted(pipeline):
     load.settle()
 
 
+def _zombie_or_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_hung_stage_is_killed_while_the_supervisor_waits_for_a_lock(pipeline):
+    """A stage stopped while it holds an arena's lock blocks whoever wants that lock next,
+    the supervisor reclaiming a dead stage's references included: hung stages are killed
+    by a thread of the supervisor's that takes no lock, and killing frees the lock."""
+    w, client, r = pipeline(heartbeat_timeout_s=1.0)
+    load = Load(w, client, r, 2)
+    load.send(10)
+    lock = w.sup.shared.pixel_arena._lock  # stands in for a stopped stage holding it
+    lock.acquire()
+    try:
+        os.kill(stage_pid(w, "cache"), signal.SIGKILL)  # its reclaim now waits for the lock
+        stopped = stage_pid(w, "scheduler")
+        os.kill(stopped, signal.SIGSTOP)
+        end = time.monotonic() + 60
+        while not _zombie_or_gone(stopped):
+            assert time.monotonic() < end, "the stopped scheduler was not killed while the supervisor waited"
+            time.sleep(0.05)
+    finally:
+        lock.release()
+    wait_restarted(w, "cache")
+    wait_restarted(w, "scheduler")
+    load.send(10)
+    load.settle()
+    later = list(load.sent)[-5:]
+    assert not [room for room in later if room in r.failed], r.failed
+
+
 def test_crash_loop_trips_the_restart_limit(shm_prefix, tmp_path):
     w = PipelineWorker(sim_config(shm_prefix, tmp_path, restart_limit=2, restart_window_s=60,
                                   bootstrap_timeout_s=3.0, sim_time_per_row_s=0.01))
