@@ -157,6 +157,10 @@ class Room:
             pats.append("deadline")
         if self.late or self.unsent() or not self.plan:
             pats.append(TIMEOUT_REASON)
+        # PROTOCOL.md §4: allocs for a room the worker has not seen are held bootstrap_timeout_s,
+        # then answered "unknown room"; a request still waiting at intake (a full pixel
+        # arena, a loaded machine) is a room not seen yet, so a short timeout can pass first.
+        pats.append("^unknown room$")
         return pats
 
     def concluded_at(self, rx: int) -> bool:
