@@ -37,7 +37,10 @@ or only as the reaper's "?" entry of a room canceled or named by the dead
 intake's journal) and an intake kill came after it was sent. A receiver alive
 at the end that misses a status is excused only where the room concluded within
 five seconds (one with --dense) before to a second after a reaper kill (README, known
-limit 1); such rooms are listed in the JSON.
+limit 1), or where the worker never saw the room and both an intake kill and a sender
+kill (within bootstrap_timeout_s) came after it was sent: its request and its allocs
+may both have died in those stages' sockets, and nobody can answer (README, known
+limit 3); such rooms are listed in the JSON.
 
 `--dense` (issue #11): kills close together while the stages hold rooms, so custody,
 restart and replay meet. The load is a window of DENSE_WINDOW (32) rooms in flight,
@@ -401,6 +404,8 @@ class Chaos:
         self.receiver_restarts = 0
         self.intake_kills: list[float] = []
         self.reaper_kills: list[float] = []
+        self.sender_kills: list[float] = []
+        self.allocs_lost_with_sender: list[int] = []
         self.lost_with_reaper: list[int] = []
         self.lost_segments = 0
         self.gave_up = False
@@ -685,6 +690,8 @@ class Chaos:
             self.intake_kills.append(killed_by)
         if name == "reaper":
             self.reaper_kills.append(now)
+        if name == "sender":
+            self.sender_kills.append(killed_by)
 
     def kill_receiver(self, kind: str) -> None:
         up = self.up_slots()
@@ -834,8 +841,10 @@ class Chaos:
         self.wait_until(lambda: self.stopped is None and all(self.live_stage_pid(n) for n in self.w.sup.stages),
                         120, "every stage to be up")
         self.wait_receivers_up()
-        # a room whose statuses went down with a killed reaper (known limit 1) never concludes
-        self.wait_until(lambda: all(self.statuses_lost_with_reaper(r) for r in self.unconcluded_rooms()),
+        # a room whose statuses went down with a killed reaper (known limit 1) never concludes,
+        # nor one whose request and allocs both died in killed stages' sockets (known limit 3)
+        self.wait_until(lambda: all(self.statuses_lost_with_reaper(r) or self.never_seen_allocs_lost(r)
+                                    for r in self.unconcluded_rooms()),
                         self.s.settle_timeout_s, "every room to conclude at its receivers")
         self.wait_until(lambda: self.w.sup.rooms.count_live() == 0, self.s.settle_timeout_s,
                         "the worker's live rooms to drop to 0")
@@ -858,6 +867,16 @@ class Chaos:
         client's ZeroMQ may write a request sent just after the death into the dead
         connection before it notices, so a kill shortly before the send counts too."""
         return any(t >= sent_at - INTAKE_LOSS_S for t in self.intake_kills)
+
+    def never_seen_allocs_lost(self, room: int) -> bool:
+        rm = self.rooms[room]
+        return (self.w.sup.rooms.find(room) is None and self.intake_killed_after(rm.sent_at)
+                and self.sender_killed_after(rm.sent_at))
+
+    def sender_killed_after(self, sent_at: float) -> bool:
+        """Could the room's allocs have died in a SIGKILLed sender's socket before it held them
+        (README known limit 3)? Then, for a request the worker never saw, nobody answers them."""
+        return any(sent_at - INTAKE_LOSS_S <= t <= sent_at + self.s.bootstrap_timeout_s for t in self.sender_kills)
 
     def reaper_killed_near(self, concluded: float) -> bool:
         return any(concluded - 1.0 <= t <= concluded + self.s.reaper_loss_before_s for t in self.reaper_kills)
@@ -949,6 +968,12 @@ class Chaos:
                     self.violation(f"room {room}, never recorded by the worker, failed at its receivers "
                                    f"as {seen}, not 'unknown room'")
                 missing = [k for k in alive if k not in failed]
+                if missing and self.intake_killed_after(rm.sent_at) and self.sender_killed_after(rm.sent_at):
+                    # Both the request (in a dead intake) and the allocs (in a dead sender) lost.
+                    self.allocs_lost_with_sender.append(room)
+                    self.log(f"room {room} (sent at {self.rel(rm.sent_at)}): its request lost with an intake "
+                             f"and its allocs with a sender, both killed (known limit 3): {seen}")
+                    continue
             elif verdict[0] == "SUCCESS":
                 self.outcomes["succeeded"] += 1
                 if any(ob["failed"] is not None for ob in rm.observers.values()):
@@ -1059,6 +1084,7 @@ class Chaos:
             "receiver_restarts": self.receiver_restarts,
             "segments_lost_in_intake_socket": self.lost_segments,
             "rooms_with_statuses_lost_with_reaper": self.lost_with_reaper,
+            "rooms_never_seen_with_allocs_lost_with_sender": self.allocs_lost_with_sender,
             "stage_exit_codes": self.stage_exit_codes,
             "violations": self.violations,
             "violation_count": len(self.violations),

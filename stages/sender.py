@@ -139,13 +139,16 @@ class Sender:
                 self._release(r)
             return
         self.live[opened.room] = _RoomTx(opened.slot, [_ItemTx(s) for s in opened.spans])
-        # Out of the held table first: a bad one fails and fences the room, and the next
-        # ones then meet no live room (they are answered, not held again, let alone held
-        # again onto the very list being read, which went round until the table was full).
-        held = self.held.get(opened.room, [])
-        arrivals = [arrival for arrival, _, _ in held]
-        for arrival, a in zip(arrivals, self._unhold(opened.room)):
+        # Taken off the list first: a bad one fails and fences the room, and the next ones
+        # then meet no live room (they are answered, not held again onto the very list
+        # being read, which went round until the held table was full). Out of the shared
+        # table only once handled: a sender killed meanwhile leaves them to its successor.
+        held = self.held.pop(opened.room, [])
+        for arrival, a, _ in held:
             self._on_alloc(a, arrival)
+        for _, _, slot in held:
+            self.held_table.remove(slot)
+        self.n_held -= len(held)
         for r in self.early.pop(opened.room, []):
             self._adopt(r)
 
