@@ -150,9 +150,10 @@ class Reaper:
             case AllocSeen(room=room, receiver=receiver):
                 self.allocated.setdefault(room, set()).add(receiver)
             case ShardWritten(room=room, item=item, receiver=receiver):
-                if self.told.told_failed(room, receiver) or self.told.told_success(room, item, receiver):
+                who = self._incarnation(receiver)
+                if self.told.told_failed(room, who) or self.told.told_success(room, item, who):
                     return
-                self._recorded(self.told.record_success(room, item, receiver, time.monotonic()))
+                self._recorded(self.told.record_success(room, item, who, time.monotonic()))
                 self.pusher.send(receiver, wire.status_message(room, item, True))
             case ItemDone(slot=slot, room=room, done=done_so_far):
                 # The count so far, not "one more": a successor handed the record its
@@ -232,7 +233,7 @@ class Reaper:
             return
         else:
             reason = "room already concluded"
-        if self.told.told_anything(room, receiver):
+        if self.told.told_anything(room, self._incarnation(receiver)):
             return
         self._tell_failed(room, receiver, reason)
 
@@ -323,10 +324,19 @@ class Reaper:
         return self.rooms.get(slot) if slot is not None else None
 
     def _tell_failed(self, room: int, receiver: str, reason: str) -> None:
-        if self.told.told_failed(room, receiver):
+        who = self._incarnation(receiver)
+        if self.told.told_failed(room, who):
             return
-        self._recorded(self.told.record_failed(room, receiver, time.monotonic()))
+        self._recorded(self.told.record_failed(room, who, time.monotonic()))
         self.pusher.send(receiver, wire.status_message(room, None, False, reason))
+
+    def _incarnation(self, receiver: str) -> str:
+        """Whom the told table records a status for: the receiver as registered now. A
+        receiver restarted under the same id registers a new session and status endpoint;
+        what its previous incarnation was told (or was sent, before we heard of the new
+        one) the new one never heard, and it is told again."""
+        reg = self.registrations.get(receiver)
+        return receiver if reg is None else f"{receiver}\0{reg.session}\0{reg.status}"
 
     def _recorded(self, ok: bool) -> None:
         if not ok:

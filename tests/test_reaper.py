@@ -429,3 +429,28 @@ def test_a_registration_whose_telling_died_with_the_sender_is_read_back(tables):
     assert pusher.endpoints[RECEIVER] == "tcp://127.0.0.1:5002"
     assert [(r, m["state"]) for r, m in pusher.sent] == [(RECEIVER, "failed")]
     stage.close()
+
+
+def test_a_receiver_restarted_under_the_same_id_hears_what_its_predecessor_was_told(tables):
+    """The told table records a status for the receiver as registered: a restarted
+    receiver (same id, new session and status endpoint) never heard what was sent to its
+    previous incarnation, and its alloc for that room is answered; once, and a receiver
+    that registers again unchanged is not told twice."""
+    rooms, _, receivers = tables
+    stage, pusher, _ = make_reaper(tables)
+    feed(stage, "sender", Registered(wire.Register(RECEIVER, "127.0.0.1:1", "tcp://127.0.0.1:5001")))
+    slot = rooms.insert(ROOM, "req-7", 1, OWNER_INTAKE)
+    feed(stage, "intake", RoomOpened(slot, ROOM, "req-7", (4,), 0.0))
+    feed(stage, "sender", AllocSeen(ROOM, RECEIVER))
+    feed(stage, "cache", RoomFailure(slot, ROOM, "canceled"))
+    feed(stage, "sender", Fenced(ROOM, (RECEIVER,)))
+    assert [(pusher.endpoints[r], m["state"]) for r, m in pusher.sent] == [("tcp://127.0.0.1:5001", "failed")]
+    feed(stage, "sender", Registered(wire.Register(RECEIVER, "127.0.0.1:1", "tcp://127.0.0.1:5001")))
+    feed(stage, "sender", LateAlloc(ROOM, RECEIVER))
+    assert len(pusher.sent) == 1, "the same incarnation is not told twice"
+    feed(stage, "sender", Registered(wire.Register(RECEIVER, "127.0.0.1:2", "tcp://127.0.0.1:5002")))
+    feed(stage, "sender", LateAlloc(ROOM, RECEIVER))
+    feed(stage, "sender", LateAlloc(ROOM, RECEIVER))
+    assert [m["state"] for _, m in pusher.sent] == ["failed", "failed"]
+    assert pusher.endpoints[RECEIVER] == "tcp://127.0.0.1:5002"
+    stage.close()
