@@ -221,11 +221,9 @@ def _pickled_as_tuple(cls):
     """Pickle a record as (class, its values): the dataclass default (``__getstate__``
     calling ``fields()`` on every record) costs twice as much, and every record crosses
     a ring pickled."""
-    get = attrgetter(*(f.name for f in fields(cls)))
-    if len(fields(cls)) == 1:
-        cls.__reduce__ = lambda self: (cls, (get(self),))
-    else:
-        cls.__reduce__ = lambda self: (cls, get(self))
+    names = [f.name for f in fields(cls)]
+    get = attrgetter(*names)  # one name: the value itself, not a tuple
+    cls.__reduce__ = (lambda self: (cls, (get(self),))) if len(names) == 1 else (lambda self: (cls, get(self)))
     return cls
 
 

@@ -173,27 +173,29 @@ def test_a_hung_stage_is_killed_while_the_supervisor_waits_for_a_lock(pipeline):
     assert not [room for room in later if room in r.failed], r.failed
 
 
-def test_crash_loop_trips_the_restart_limit(shm_prefix, tmp_path):
+def crash_loop(shm_prefix, tmp_path, victim: str, n_rooms: int, first_image: int, **over) -> None:
+    """Kill `victim` three times with restart_limit 2: the run ends (exit 1, the victim
+    named), and every room it had concludes at the receiver."""
     w = PipelineWorker(sim_config(shm_prefix, tmp_path, restart_limit=2, restart_window_s=60,
-                                  bootstrap_timeout_s=3.0, sim_time_per_row_s=0.01))
+                                  bootstrap_timeout_s=3.0, sim_time_per_row_s=0.01, **over))
     client = Client(w.cfg.intake, shm_prefix)
     r = Receiver("rx", w.cfg.bootstrap)
     try:
         spec = w.spec
         rooms = []
-        for k in range(5):
+        for k in range(n_rooms):
             room = next(_rooms)
-            client.encode(room, "cl", [Item("image", *image(200 + k, grid=(1, 8, 8)))])
+            client.encode(room, "cl", [Item("image", *image(first_image + k, grid=(1, 8, 8)))])
             r.alloc(room, 0, span=16, hidden=spec.hidden, dtype=spec.dtype, deepstack_width=spec.deepstack_width)
             rooms.append(room)
         time.sleep(0.3)
         for n in range(3):
-            os.kill(stage_pid(w, "tower"), signal.SIGKILL)
+            os.kill(stage_pid(w, victim), signal.SIGKILL)
             if n < 2:
-                wait_restarted(w, "tower", n + 1)
+                wait_restarted(w, victim, n + 1)
         w.thread.join(60)
         assert w.code == 1
-        assert "tower" in w.sup.fatal
+        assert victim in w.sup.fatal
         assert not w.sup.live_rooms()
         r.wait({room: 1 for room in rooms}, 10)
         assert all(r.concluded(room, 1) for room in rooms)
@@ -201,6 +203,10 @@ def test_crash_loop_trips_the_restart_limit(shm_prefix, tmp_path):
         client.close()
         r.close()
         w.close()
+
+
+def test_crash_loop_trips_the_restart_limit(shm_prefix, tmp_path):
+    crash_loop(shm_prefix, tmp_path, "tower", 5, 200)
 
 
 @pytest.mark.parametrize("mode", ["pipeline", "inprocess"])

@@ -11,11 +11,11 @@ import time
 import pytest
 
 from pipeline import status
-from pipeline.client import Client, Item
+from pipeline.client import Client
 from pipeline.receiver import Receiver
 from stages import registry
-from tests.helpers import PipelineWorker, image, sim_config, start_worker
-from tests.test_pipeline import Load, _rooms, stage_pid, wait_restarted
+from tests.helpers import sim_config, start_worker
+from tests.test_pipeline import Load, crash_loop, stage_pid, wait_restarted
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -96,30 +96,4 @@ def test_sigkill_of_one_replica_under_a_full_window_fails_only_its_rooms(replica
 
 
 def test_crash_looping_replica_trips_the_restart_limit(shm_prefix, tmp_path):
-    w = PipelineWorker(sim_config(shm_prefix, tmp_path, tower_replicas=2, restart_limit=2, restart_window_s=60,
-                                  bootstrap_timeout_s=3.0, sim_time_per_row_s=0.01))
-    client = Client(w.cfg.intake, shm_prefix)
-    r = Receiver("rx", w.cfg.bootstrap)
-    try:
-        spec = w.spec
-        rooms = []
-        for k in range(6):
-            room = next(_rooms)
-            client.encode(room, "cl", [Item("image", *image(400 + k, grid=(1, 8, 8)))])
-            r.alloc(room, 0, span=16, hidden=spec.hidden, dtype=spec.dtype, deepstack_width=spec.deepstack_width)
-            rooms.append(room)
-        time.sleep(0.3)
-        for n in range(3):
-            os.kill(stage_pid(w, "tower1"), signal.SIGKILL)
-            if n < 2:
-                wait_restarted(w, "tower1", n + 1)
-        w.thread.join(60)
-        assert w.code == 1
-        assert "tower1" in w.sup.fatal
-        assert not w.sup.live_rooms()
-        r.wait({room: 1 for room in rooms}, 10)
-        assert all(r.concluded(room, 1) for room in rooms)
-    finally:
-        client.close()
-        r.close()
-        w.close()
+    crash_loop(shm_prefix, tmp_path, "tower1", 6, 400, tower_replicas=2)
