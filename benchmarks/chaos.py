@@ -102,6 +102,7 @@ PATCH_DIM = 3 * 2 * 14 * 14
 HIDDEN, DEEPSTACK, DTYPE, MERGE = 256, 64, "bfloat16", 2
 CANARY = 0xA5
 QUARANTINE_S = 3.0
+STATS_SETTLE_S = 2.0     # counters a stage publishes a few times a second: bound on waiting for them to clear
 GRIDS = [("image", (1, 4, 4)), ("image", (1, 8, 8)), ("image", (1, 8, 12)), ("video", (2, 4, 6))]
 HOT_POOL = 24            # images that recur all run long: cache hits
 CANCEL_P = 0.1
@@ -902,10 +903,18 @@ class Chaos:
             self.violation(f"{len(live)} rooms still live in the worker after settling: " + ", ".join(
                 f"{e.room} ({e.state.name}, custody bits {e.holders:#x}, items {e.items_done}/{e.items_total})"
                 for e in live[:10]))
-        stats = self.w.stats()
-        for key in ("sender_live_rooms", "sender_held_allocs", "sender_early_items", "scheduler_pending"):
-            if stats.get(key):
-                self.violation(f"after settling the worker's {key} is {stats[key]}, not 0")
+        # Stages publish their counters a few times a second: what the last answer changed
+        # may not be on the board yet, so the counters get a few publishing rounds to clear.
+        keys = ("sender_live_rooms", "sender_held_allocs", "sender_early_items", "scheduler_pending")
+        end = time.monotonic() + STATS_SETTLE_S
+        while True:
+            stats = self.w.stats()
+            left = {key: stats[key] for key in keys if stats.get(key)}
+            if not left or time.monotonic() >= end:
+                break
+            time.sleep(0.05)
+        for key, value in left.items():
+            self.violation(f"after settling the worker's {key} is {value}, not 0")
         self.worker_stats = stats
         return {r: (v if v is None else (RoomState(v[0]).name, *v[1:])) for r, v in out.items()}
 
