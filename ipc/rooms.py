@@ -22,8 +22,22 @@ publishes it with one aligned 4-byte store of ``seq + 1``. So:
 
 Records carry ``time.monotonic()`` stamps (system-wide on Linux, so comparable
 across processes). Contiguous columns hold each copy's room and state, written
-with the copy before it is published, so ``find``/``held_by``/``insert`` scan them
-with numpy and then verify the few candidates' records.
+with the copy before it is published, so ``held_by`` scans them with numpy and
+then verifies the few candidates' records.
+
+Finding a room, and a FREE slot, without a scan. The table is as large as the
+rooms live plus the tombstones kept (70k slots by default), and a scan of its
+columns costs 25-95 us: ``insert`` did two under the lock, once per request, and
+every other writer waited on them. So an index maps room ids to slots: a hash
+table (linear probing, backward-shift deletion, twice the table's capacity, u32
+slot + 1 per entry, 0 empty) that ``insert`` and ``free`` update under the lock.
+It is a hint: every slot it gives is verified against the record (an entry left
+pointing at a slot that has changed room is skipped). A writer makes the index's
+sequence word odd before touching it and even after; one killed in between leaves
+it odd, and the next writer rebuilds the index from the records. A lock-free
+reader retries when the word moved under it, and scans the columns while it is
+odd. A FREE slot is looked for from a cursor (the slot after the last insert), a
+chunk of columns at a time.
 
 Custody, without the lock. ``holders`` is a bit mask: bit ``i`` set while stage
 ``i`` holds some of the room's items. Every stage sets and clears its bit on every
@@ -95,21 +109,32 @@ class RoomEntry:
 
 REQUEST_ID_BYTES = 128
 REASON_BYTES = 256
-_MAGIC = 0x6D6F_6F72_0000_0002  # "room", layout 2
+_MAGIC = 0x6D6F_6F72_0000_0003  # "room", layout 3
 MAX_OWNERS = 32  # custody bits
 # record: crc32 over the rest, then the body
 _BODY = struct.Struct(f"<IQBBHIIddd{REQUEST_ID_BYTES}s{REASON_BYTES}s")
 _REC = 4 + _BODY.size  # 436
 _HDR = 64
+# header words (u64): magic, capacity, record size, total size, repairs, index sequence, free cursor
+_H_REPAIRS, _H_INDEX_SEQ, _H_CURSOR = 4, 5, 6
+_GOLDEN = 0x9E37_79B9_7F4A_7C15  # Fibonacci hashing of room ids into the index
+_M64 = 2**64 - 1
+_FREE_CHUNK = 1024  # slots whose states one step of the FREE-slot search reads
+
+
+def _index_size(capacity: int) -> int:
+    """Entries of the room index: a power of two, at least twice the capacity."""
+    return 1 << max(4, (2 * capacity - 1).bit_length())
 
 
 def _layout(capacity: int) -> dict[str, int]:
     """Segment layout: header, seq u32[cap], columns room u64 / state u8 [cap, 2], records
-    [cap, 2] of _REC bytes, custody claims: room u64 / on u8 [cap, MAX_OWNERS]."""
+    [cap, 2] of _REC bytes, custody claims: room u64 / on u8 [cap, MAX_OWNERS], room index
+    u32[_index_size(cap)]."""
     off, pos = {}, _HDR
     for name, nbytes in (("seq", 4 * capacity), ("room", 16 * capacity), ("state", 2 * capacity),
                          ("rec", 2 * _REC * capacity), ("claim_room", 8 * MAX_OWNERS * capacity),
-                         ("claim_on", MAX_OWNERS * capacity)):
+                         ("claim_on", MAX_OWNERS * capacity), ("index", 4 * _index_size(capacity))):
         pos = (pos + 63) // 64 * 64
         off[name] = pos
         pos += nbytes
@@ -224,6 +249,10 @@ class RoomTable:
         self._claim_room = np.frombuffer(mm, np.uint64, MAX_OWNERS * cap, lay["claim_room"]).reshape(cap, MAX_OWNERS)
         self._claim_on = np.frombuffer(mm, np.uint8, MAX_OWNERS * cap, lay["claim_on"]).reshape(cap, MAX_OWNERS)
         self._states = np.frombuffer(mm, np.uint8, 2 * cap, lay["state"]).reshape(cap, 2)
+        n = _index_size(cap)
+        self._idxv = mv[lay["index"]:lay["index"] + 4 * n].cast("I")
+        self._idx = np.frombuffer(mm, np.uint32, n, lay["index"])
+        self._mask, self._shift = n - 1, 64 - (n.bit_length() - 1)
         self._lock = SegmentLock(seg)
         self._closed = False
 
@@ -308,7 +337,7 @@ class RoomTable:
                 fields[_REASON], fields[_REASONLEN] = reason, len(reason)
             fields = tuple(fields)
         self._store(slot, seq, fields)
-        self._hdr[4] += 1
+        self._hdr[_H_REPAIRS] += 1
         return (seq + 1) & _U32_MAX, fields
 
     def _holders(self, slot: int, room: int) -> int:
@@ -354,6 +383,90 @@ class RoomTable:
         finally:
             self._lock.release()
 
+    # -- the room index (lock held to change it) ---------------------------------
+
+    def _home(self, room: int) -> int:
+        return ((room * _GOLDEN) & _M64) >> self._shift
+
+    def _active_room(self, slot: int) -> tuple[int, int]:
+        """(room, state) of ``slot``'s active copy, from the columns."""
+        c = 2 * slot + (self._seqv[slot] & 1)
+        return self._roomv[c], self._statev[c]
+
+    def _indexed(self, room: int) -> int | None:
+        """The slot the index gives for ``room`` (its columns agree; the caller verifies the record)."""
+        idx, mask = self._idxv, self._mask
+        i = self._home(room)
+        for _ in range(mask + 1):
+            e = idx[i]
+            if e == 0 or e > self.capacity:
+                return None
+            r, state = self._active_room(e - 1)
+            if r == room and state:
+                return e - 1
+            i = (i + 1) & mask
+        return None
+
+    def _index_add(self, room: int, slot: int) -> None:
+        idx, mask = self._idxv, self._mask
+        i = self._home(room)
+        while idx[i]:
+            i = (i + 1) & mask
+        idx[i] = slot + 1
+
+    def _index_remove(self, room: int, slot: int) -> None:
+        """Take ``slot``'s entry out of ``room``'s chain, moving later entries of the chain
+        back into the hole (backward-shift deletion: no tombstones to skip)."""
+        idx, mask = self._idxv, self._mask
+        i = self._home(room)
+        while idx[i] != slot + 1:
+            if idx[i] == 0:
+                return
+            i = (i + 1) & mask
+        j = i
+        while True:
+            j = (j + 1) & mask
+            e = idx[j]
+            if e == 0:
+                break
+            k = self._home(self._active_room(e - 1)[0])
+            if (j - k) & mask >= (j - i) & mask:  # its home is not after the hole: it may move there
+                idx[i] = e
+                i = j
+        idx[i] = 0
+
+    def _clean_index(self) -> None:
+        """Lock held: rebuild the index from the records if a writer died while changing it."""
+        if not self._hdr[_H_INDEX_SEQ] & 1:
+            return
+        self._idx[:] = 0
+        for slot in np.flatnonzero(self._active_states() != 0).tolist():
+            _, f = self._current(slot)
+            if f[_STATE] != RoomState.FREE:
+                self._index_add(f[_ROOM], slot)
+        self._hdr[_H_INDEX_SEQ] += 1
+
+    def _free_slot(self):
+        """Lock held: (slot, seq) of a FREE slot, searched from the cursor; None if none."""
+        cap, start = self.capacity, self._hdr[_H_CURSOR] % self.capacity
+        if not self._active_room(start)[1]:  # the usual case: the slot after the last insert
+            s, f = self._current(start)
+            if f[_STATE] == RoomState.FREE:  # the column is a hint; the record decides
+                return start, s
+        for a in list(range(start, cap, _FREE_CHUNK)) + list(range(0, start, _FREE_CHUNK)):
+            b = min(a + _FREE_CHUNK, cap if a >= start else start)
+            st = self._states[a:b]
+            free = np.where(self._seq[a:b] & 1, st[:, 1], st[:, 0]) == 0
+            while True:
+                i = int(free.argmax())
+                if not free[i]:
+                    break
+                s, f = self._current(a + i)
+                if f[_STATE] == RoomState.FREE:
+                    return a + i, s
+                free[i] = False
+        return None
+
     # -- reads -----------------------------------------------------------------
 
     def get(self, slot: int) -> RoomEntry | None:
@@ -375,7 +488,19 @@ class RoomTable:
         room = _index(room)
         if not _U64[0] <= room <= _U64[1]:
             return None
-        for slot in self._room_candidates(room):
+        hdr = self._hdr
+        for _ in range(_READ_SPINS):
+            v = hdr[_H_INDEX_SEQ]
+            if v & 1:  # a writer is changing the index (or died doing it): scan
+                slots = self._room_candidates(room)
+                break
+            slot = self._indexed(room)
+            if hdr[_H_INDEX_SEQ] == v:
+                slots = () if slot is None else (slot,)
+                break
+        else:
+            slots = self._room_candidates(room)
+        for slot in slots:
             e = self.get(slot)
             if e is not None and e.room == room:
                 return slot
@@ -424,31 +549,39 @@ class RoomTable:
                   now if state in _FINAL else 0.0, rid, b""]
         self._lock.acquire()
         try:
+            self._clean_index()
             dup = self._find_locked(room)
             if dup is not None and existing_ok:
                 return dup
             if dup is not None:
                 raise ValueError(f"room {room} is already in the table (slot {dup})")
-            for slot in np.flatnonzero(self._active_states() == 0):
-                s, f = self._current(int(slot))
-                if f[_STATE] == RoomState.FREE:  # the column is a hint; the record decides
-                    self._claim(int(slot), room, holders)  # before the room is there: void until then
-                    self._store(int(slot), s, fields)
-                    return int(slot)
-            raise TableFull(
-                f"room table {self._seg.name!r} is full: all {self.capacity} slots hold rooms "
-                f"(live or concluded tombstones not yet freed); cannot record room {room} "
-                f"(request {request_id!r})"
-            )
+            free = self._free_slot()
+            if free is None:
+                raise TableFull(
+                    f"room table {self._seg.name!r} is full: all {self.capacity} slots hold rooms "
+                    f"(live or concluded tombstones not yet freed); cannot record room {room} "
+                    f"(request {request_id!r})"
+                )
+            slot, s = free
+            self._hdr[_H_INDEX_SEQ] += 1  # odd: changing the index
+            self._claim(slot, room, holders)  # before the room is there: void until then
+            self._store(slot, s, fields)
+            if _fault_hook is not None:
+                _fault_hook("rooms.index")
+            self._index_add(room, slot)
+            self._hdr[_H_CURSOR] = slot + 1
+            self._hdr[_H_INDEX_SEQ] += 1
+            return slot
         finally:
             self._lock.release()
 
     def _find_locked(self, room: int) -> int | None:
-        for slot in self._room_candidates(room):
-            _, f = self._current(slot)
-            if f[_STATE] != RoomState.FREE and f[_ROOM] == room:
-                return slot
-        return None
+        """Index clean: the slot of ``room``'s non-FREE entry, or None."""
+        slot = self._indexed(room)
+        if slot is None:
+            return None
+        _, f = self._current(slot)
+        return slot if f[_STATE] != RoomState.FREE and f[_ROOM] == room else None
 
     def advance(self, slot: int, room: int, state: RoomState) -> bool:
         """Move a live room forward to ``state`` (skipping states is fine); False if not forward,
@@ -572,17 +705,27 @@ class RoomTable:
     def free(self, slot: int, room: int) -> bool:
         """Return a concluded entry (an expired tombstone) to FREE; False for a live one or not there."""
 
-        def change(f):
-            if f[_STATE] < RoomState.SUCCESS:
+        slot = self._slot_index(slot)
+        self._lock.acquire()
+        try:
+            self._clean_index()
+            s, f = self._current(slot)
+            if f[_STATE] < RoomState.SUCCESS or f[_ROOM] != room:
                 return False
-            return list(_FREE_FIELDS)
-
-        return bool(self._update(slot, room, change))
+            self._hdr[_H_INDEX_SEQ] += 1  # odd: changing the index
+            self._index_remove(room, slot)
+            if _fault_hook is not None:
+                _fault_hook("rooms.index")
+            self._store(slot, s, _FREE_FIELDS)
+            self._hdr[_H_INDEX_SEQ] += 1
+            return True
+        finally:
+            self._lock.release()
 
     @property
     def repairs(self) -> int:
         """How many damaged entries were repaired (should stay 0: a killed writer damages nothing)."""
-        return self._hdr[4]
+        return self._hdr[_H_REPAIRS]
 
     # -- teardown ----------------------------------------------------------------
 
@@ -591,10 +734,12 @@ class RoomTable:
             return
         self._closed = True
         self._lock.close()
-        for v in (self._hdr, self._seqv, self._roomv, self._statev, self._claim_roomv, self._claim_onv):
+        for v in (self._hdr, self._seqv, self._roomv, self._statev, self._claim_roomv, self._claim_onv,
+                  self._idxv):
             v.release()
-        self._seq = self._rooms = self._states = self._claim_room = self._claim_on = None
-        self._hdr = self._seqv = self._roomv = self._statev = self._claim_roomv = self._claim_onv = self._mv = self._mm = None
+        self._seq = self._rooms = self._states = self._claim_room = self._claim_on = self._idx = None
+        self._hdr = self._seqv = self._roomv = self._statev = self._claim_roomv = self._claim_onv = self._idxv = None
+        self._mv = self._mm = None
         self._seg.close()
 
     def unlink(self) -> None:

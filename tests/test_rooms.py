@@ -324,16 +324,19 @@ def _check_whole(e: RoomEntry) -> None:
 
 
 def _logical(t: RoomTable, check: bool = True):
-    """The table without timestamps; every active record must be whole (crc, seq)."""
+    """The table's rooms without timestamps, by room (which FREE slot an insert takes depends on
+    the table's free-slot cursor, not only on its rooms); every active record must be whole."""
     out = []
     for slot in range(t.capacity):
         if check:
             _, f = t._load(slot)  # lock-free, no repair: a torn record shows as None
             assert f is not None, f"slot {slot} reads torn"
         e = t.get(slot)
-        out.append(None if e is None else (e.room, e.request_id, e.state, e.holders, e.items_total,
-                                           e.items_done, e.reason, e.deadline))
-    return out
+        if e is not None:
+            out.append((e.room, e.request_id, e.state, e.holders, e.items_total, e.items_done, e.reason,
+                        e.deadline))
+            assert t.find(e.room) == slot, f"room {e.room} in slot {slot} is not found"
+    return sorted(out)
 
 
 def _inactive(t: RoomTable) -> dict[tuple[int, int], bytes]:
@@ -414,7 +417,7 @@ def test_writer_killed_mid_update_loop(make_table, shm_prefix):
             probe = t.find(KROOMS[0])
             if probe is not None:
                 t.item_done(probe, KROOMS[0])
-                replica.item_done(probe, KROOMS[0])
+                replica.item_done(replica.find(KROOMS[0]), KROOMS[0])
             assert _logical(t) == _logical(replica)
     finally:
         os.close(r)
@@ -446,3 +449,64 @@ def test_writer_killed_at_each_point_leaves_old_value(make_table, point):
     assert t.get(slot) == before  # the update did not happen
     assert t.fail(slot, 5, "now") and t.get(slot).reason == "now"
     assert t.repairs == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("op", ["insert", "free"])
+def test_writer_killed_while_changing_the_index(make_table, op):
+    """A writer SIGKILLed between a record and its index entry: readers still find every
+    room (they scan while the index is marked in change), and the next writer rebuilds it."""
+    t = make_table(8)
+    rooms = {r: t.insert(r, f"q{r}", 1, 0) for r in (7, 8, 2**64 - 1)}
+    t.succeed(rooms[8], 8)
+
+    def child():
+        def die(p):
+            if p == "rooms.index":
+                os.kill(os.getpid(), signal.SIGKILL)
+        rooms_mod._fault_hook = die
+        t.insert(9, "q9", 1, 0) if op == "insert" else t.free(rooms[8], 8)
+        raise AssertionError("fault point not reached")
+
+    assert wait_child(fork_call(child)) == -signal.SIGKILL
+    if op == "insert":  # the record was published: the room is there
+        rooms[9] = t.find(9)
+        assert rooms[9] is not None and t.get(rooms[9]).request_id == "q9"
+    # (free: killed before its record changed, so the tombstone is still there)
+    for r, slot in rooms.items():
+        assert t.find(r) == slot
+    assert t._hdr[rooms_mod._H_INDEX_SEQ] & 1  # marked in change: readers scanned
+    new = t.insert(10, "q10", 1, 0)  # rebuilds the index first
+    assert not t._hdr[rooms_mod._H_INDEX_SEQ] & 1
+    rooms[10] = new
+    for r, slot in rooms.items():
+        assert t._indexed(r) == slot and t.find(r) == slot
+    with pytest.raises(ValueError):
+        t.insert(7, "again", 1, 0)
+    assert t.free(rooms[8], 8) and t.find(8) is None
+
+
+def test_free_slots_are_found_from_the_cursor_across_chunks(make_table):
+    """A table larger than one chunk of the FREE-slot search: filled, TableFull, freed in
+    random places, refilled into exactly those places; the index finds every room."""
+    cap = 2 * rooms_mod._FREE_CHUNK + 500
+    t = make_table(cap)
+    rng = random.Random(5)
+    ids = list(dict.fromkeys(rng.getrandbits(64) for _ in range(cap + 400)))[:cap + 300]
+    where = {r: t.insert(r, "q", 1, 0) for r in ids[:cap]}
+    assert sorted(where.values()) == list(range(cap))
+    with pytest.raises(TableFull):
+        t.insert(ids[cap], "q", 1, 0)
+    gone = rng.sample(ids[:cap], 300)
+    for r in gone:
+        assert t.succeed(where[r], r) and t.free(where[r], r)
+        assert t.find(r) is None
+    freed = sorted(where.pop(r) for r in gone)
+    new = {r: t.insert(r, "q", 1, 0) for r in ids[cap:]}
+    assert sorted(new.values()) == freed
+    where.update(new)
+    with pytest.raises(TableFull):
+        t.insert(gone[0], "q", 1, 0)  # a freed id, but the table is full again
+    for r, slot in where.items():
+        assert t.find(r) == slot
+    assert t.find(gone[0]) is None
