@@ -130,11 +130,12 @@ def _index_size(capacity: int) -> int:
 def _layout(capacity: int) -> dict[str, int]:
     """Segment layout: header, seq u32[cap], columns room u64 / state u8 [cap, 2], records
     [cap, 2] of _REC bytes, custody claims: room u64 / on u8 [cap, MAX_OWNERS], room index
-    u32[_index_size(cap)]."""
+    u32[_index_size(cap)], progress u8[cap]."""
     off, pos = {}, _HDR
     for name, nbytes in (("seq", 4 * capacity), ("room", 16 * capacity), ("state", 2 * capacity),
                          ("rec", 2 * _REC * capacity), ("claim_room", 8 * MAX_OWNERS * capacity),
-                         ("claim_on", MAX_OWNERS * capacity), ("index", 4 * _index_size(capacity))):
+                         ("claim_on", MAX_OWNERS * capacity), ("index", 4 * _index_size(capacity)),
+                         ("progress", capacity)):
         pos = (pos + 63) // 64 * 64
         off[name] = pos
         pos += nbytes
@@ -253,6 +254,7 @@ class RoomTable:
         self._idxv = mv[lay["index"]:lay["index"] + 4 * n].cast("I")
         self._idx = np.frombuffer(mm, np.uint32, n, lay["index"])
         self._mask, self._shift = n - 1, 64 - (n.bit_length() - 1)
+        self._progv = mv[lay["progress"]:lay["progress"] + cap]
         self._lock = SegmentLock(seg)
         self._closed = False
 
@@ -360,7 +362,8 @@ class RoomTable:
         e = _new_entry(RoomEntry)
         e.__dict__.update(
             slot=slot, room=f[_ROOM], request_id=f[_RID][:f[_RIDLEN]].decode("utf-8", "replace"),
-            state=_STATES[f[_STATE]], holders=self._holders(slot, f[_ROOM]), items_total=f[_TOTAL],
+            state=_STATES[max(f[_STATE], self._progv[slot]) if f[_STATE] < RoomState.SUCCESS else f[_STATE]],
+            holders=self._holders(slot, f[_ROOM]), items_total=f[_TOTAL],
             items_done=f[_DONE],
             reason=f[_REASON][:f[_REASONLEN]].decode("utf-8", "replace"),
             deadline=f[_DEADLINE], created=f[_CREATED], concluded=f[_CONCLUDED],
@@ -565,6 +568,7 @@ class RoomTable:
             slot, s = free
             self._hdr[_H_INDEX_SEQ] += 1  # odd: changing the index
             self._claim(slot, room, holders)  # before the room is there: void until then
+            self._progv[slot] = 0
             self._store(slot, s, fields)
             if _fault_hook is not None:
                 _fault_hook("rooms.index")
@@ -585,12 +589,28 @@ class RoomTable:
 
     def advance(self, slot: int, room: int, state: RoomState) -> bool:
         """Move a live room forward to ``state`` (skipping states is fine); False if not forward,
-        already concluded, or ``slot`` no longer holds ``room``."""
+        already concluded, or ``slot`` no longer holds ``room``.
+
+        The live states past BOOTSTRAPPING (queued, encoding, transferring) say where a room
+        is, for an operator; three stages set them for every room, so they are not written
+        into the record under the lock but into a progress byte of the slot, lock-free (the
+        record's state, while live, is the greater of the two; ``insert`` clears it). Two
+        stages advancing one room at the same instant may leave the lesser of their states
+        until the next advance."""
         state = RoomState(state)
+        if state < RoomState.SUCCESS:
+            slot = self._slot_index(slot)
+            _, f = self._load(slot)
+            if f is not None:  # (a damaged record is repaired by the locked way below)
+                if f[_STATE] == RoomState.FREE or f[_ROOM] != room or f[_STATE] >= RoomState.SUCCESS \
+                        or state <= max(f[_STATE], self._progv[slot]):
+                    return False
+                self._progv[slot] = int(state)
+                return True
 
         def change(f):
             cur = f[_STATE]
-            if cur >= RoomState.SUCCESS or state <= cur:
+            if cur >= RoomState.SUCCESS or state <= max(cur, self._progv[slot]):
                 return False
             f[_STATE] = int(state)
             if state in _FINAL:
@@ -735,10 +755,11 @@ class RoomTable:
         self._closed = True
         self._lock.close()
         for v in (self._hdr, self._seqv, self._roomv, self._statev, self._claim_roomv, self._claim_onv,
-                  self._idxv):
+                  self._idxv, self._progv):
             v.release()
         self._seq = self._rooms = self._states = self._claim_room = self._claim_on = self._idx = None
         self._hdr = self._seqv = self._roomv = self._statev = self._claim_roomv = self._claim_onv = self._idxv = None
+        self._progv = None
         self._mv = self._mm = None
         self._seg.close()
 
