@@ -628,6 +628,12 @@ class RoomTable:
             self._claim_onv[base + o] = 1
 
     def _is_there(self, slot: int, room: int) -> bool:
+        # The usual answer from the active copy's columns (written with that copy, before it
+        # was published); anything else from its record, checked.
+        s = self._seqv[slot]
+        c = 2 * slot + (s & 1)
+        if self._roomv[c] == room and self._statev[c] and self._seqv[slot] == s:
+            return True
         _, f = self._load(slot)
         if f is None:
             e = self.get(slot)  # repairs it under the lock
