@@ -535,7 +535,7 @@ class Ring:
             i = self._rd_i
             out = self._rd_recs[i:i + max_records]
             return out, tail, tail + RECORD_HEADER * len(out) + sum(map(len, out))
-        if q[_HEAD] == tail and not self._wait_data(timeout):
+        if q[_HEAD] == tail and (timeout is not None and timeout <= 0 or not self._wait_data(timeout)):
             return [], tail, tail
         out, nbytes = self._parse(tail, q[_HEAD] - tail, max_records)
         return out, tail, tail + nbytes
