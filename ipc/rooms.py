@@ -708,6 +708,29 @@ class RoomTable:
             return -1
         return done[0] if r is True else r
 
+    def complete_item(self, slot: int, room: int, done_so_far: int) -> tuple[int, bool]:
+        """``item_done(slot, room, done_so_far)``, and, in the same update, SUCCESS once the
+        count reaches the room's items (also when it had already: a writer that died between
+        the two). Returns (the count, whether this call concluded the room); (-1, False) if
+        ``slot`` no longer holds ``room``."""
+        out = [-1, False]
+
+        def change(f):
+            out[0] = f[_DONE]
+            if f[_STATE] >= RoomState.SUCCESS or f[_DONE] >= _U32_MAX:
+                return False
+            new = out[0] = min(max(f[_DONE], done_so_far), _U32_MAX)
+            out[1] = new >= f[_TOTAL]
+            if new == f[_DONE] and not out[1]:
+                return False
+            f[_DONE] = new
+            if out[1]:
+                f[_STATE], f[_CONCLUDED] = int(RoomState.SUCCESS), time.monotonic()
+            return f
+
+        self._update(slot, room, change)
+        return out[0], out[1]
+
     def _conclude(self, slot, room, state: RoomState, reason: str) -> bool:
         rb = _cut(str(reason), REASON_BYTES)
 

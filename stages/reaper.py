@@ -158,12 +158,10 @@ class Reaper:
             case ItemDone(slot=slot, room=room, done=done_so_far):
                 # The count so far, not "one more": a successor handed the record its
                 # predecessor died with must not count the item twice (and end the room early).
-                done = self.rooms.item_done(slot, room, done_so_far)
-                entry = self.rooms.get(slot)
-                if entry is not None and entry.room == room and done >= entry.items_total:
-                    if self.rooms.succeed(slot, room):
-                        self.forget(room)
-                        self._concluded(room, slot, "success", "")
+                # (and the room's success in the same update of the table, once every item is done)
+                if self.rooms.complete_item(slot, room, done_so_far)[1]:
+                    self.forget(room)
+                    self._concluded(room, slot, "success", "")
             case RoomFailure():
                 self.fail(ev)
             case Fenced(room=room, receivers=receivers):

@@ -510,3 +510,23 @@ def test_free_slots_are_found_from_the_cursor_across_chunks(make_table):
     for r, slot in where.items():
         assert t.find(r) == slot
     assert t.find(gone[0]) is None
+
+
+def test_complete_item_counts_and_concludes_in_one_update(make_table):
+    t = make_table(4)
+    slot = t.insert(7, "q7", 3, 0)
+    assert t.complete_item(slot, 7, 1) == (1, False)
+    assert t.complete_item(slot, 7, 1) == (1, False)  # a report handled again counts nothing
+    assert t.complete_item(slot, 8, 2) == (-1, False)  # not that slot's room
+    assert t.complete_item(slot, 7, 3) == (3, True)
+    e = t.get(slot)
+    assert (e.state, e.items_done) == (S.SUCCESS, 3) and e.concluded >= e.created
+    assert t.complete_item(slot, 7, 3) == (3, False)  # concluded: final, and not concluded again
+    # A writer that counted the last item but died before the room's success: the same
+    # report, handled again, concludes it.
+    other = t.insert(9, "q9", 2, 0)
+    assert t.item_done(other, 9, 2) == 2 and t.get(other).state == S.BOOTSTRAPPING
+    assert t.complete_item(other, 9, 2) == (2, True) and t.get(other).state == S.SUCCESS
+    failed = t.insert(10, "q10", 1, 0)
+    assert t.fail(failed, 10, "gone")
+    assert t.complete_item(failed, 10, 1) == (0, False) and t.get(failed).state == S.FAILED
