@@ -495,8 +495,26 @@ class Arena:
 
     # -- queries ---------------------------------------------------------------
 
+    def _live_now(self, lease) -> bool:
+        """Whether ``lease`` is live, read without the lock: its slot's generation is read
+        before and after the rest, and every reuse of a slot bumps it first, so a lease freed
+        and its slot leased again meanwhile shows as changed. (A caller that holds a
+        reference, as stages do, sees no change: nobody else can free it.)"""
+        slot, gen, offset, length = lease
+        if self._closed or not 0 <= slot < self.max_leases:
+            return False
+        g = self._gen[slot]
+        ok = (g == gen and self._st[slot] == _LIVE and self._start[slot] * self.block_size == offset
+              and self._len[slot] == length)
+        return ok and self._gen[slot] == g and not self._h[_H_SEQ] & 1
+
     def valid(self, lease: Lease) -> bool:
-        self._acquire()
+        try:
+            if self._live_now(lease):
+                return True
+        except (ValueError, TypeError):
+            return False
+        self._acquire()  # a mutation in progress, or a dead writer's to roll back: ask under the lock
         try:
             self._slot_of(lease)
             return True
@@ -507,11 +525,12 @@ class Arena:
 
     def view(self, lease: Lease) -> memoryview:
         """A writable view of exactly ``lease.length`` bytes; StaleLease if not valid."""
-        self._acquire()
-        try:
-            self._slot_of(lease)
-        finally:
-            self._release()
+        if not self._live_now(lease):
+            self._acquire()
+            try:
+                self._slot_of(lease)
+            finally:
+                self._release()
         return self._data.buf[lease.offset:lease.offset + lease.length]
 
     def refs(self, lease: Lease) -> dict[int, int]:
