@@ -349,7 +349,7 @@ def receiver_main(rx_id: str, bootstrap: str, conn, buffer_bytes: int) -> None:
     except BaseException as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         raise
-    conn.send(("ready", os.getpid()))
+    conn.send(("ready", os.getpid(), rx.r.engine.session, rx.r.status_endpoint))
     try:
         rx.run()
     except EOFError:  # the harness is gone
@@ -405,6 +405,8 @@ class Chaos:
         self.receiver_restarts = 0
         self.intake_kills: list[float] = []
         self.reaper_kills: list[float] = []
+        self.incarnations: dict = {}        # observer key -> the told table's names for it
+        self.told_lost: set[int] = set()    # rooms told_then_reaper_killed() excused at the end
         self.sender_kills: list[float] = []
         self.allocs_lost_with_sender: list[int] = []
         self.lost_with_reaper: list[int] = []
@@ -500,6 +502,8 @@ class Chaos:
         kind = msg[0]
         if kind == "ready":
             slot.state = "up"
+            # whom the worker's told table records a status for (stages/reaper.py, _incarnation)
+            self.incarnations[slot.key] = (slot.rx_id, f"{slot.rx_id}\0{msg[2]}\0{msg[3]}")
             self.log(f"receiver {slot.rx_id} up (pid {msg[1]}, incarnation {slot.inc})")
         elif kind == "status":
             _, room, item, state, reason, at = msg
@@ -819,6 +823,7 @@ class Chaos:
             self.checked_at = time.monotonic()
             self.end_degraded(self.checked_at)
             verdicts = self.worker_verdicts()
+            self.told_lost = {r for r in self.unconcluded_rooms() if self.statuses_lost_with_reaper(r)}
         finally:
             self.shutdown()
         self.end_checks(verdicts)
@@ -861,7 +866,36 @@ class Chaos:
         slot = self.w.sup.rooms.find(room)
         e = self.w.sup.rooms.get(slot) if slot is not None else None
         concluded = e.concluded if e is not None and not e.live else None
-        return concluded is not None and self.reaper_killed_near(concluded)
+        return concluded is not None and (self.reaper_killed_near(concluded)
+                                          or self.told_then_reaper_killed(room, e))
+
+    def told_then_reaper_killed(self, room: int, e) -> bool:
+        """Known limit (1) where the room concluded well after the kill (its successor took a
+        while to start and finish it), so reaper_killed_near() misses it: a reaper was killed
+        between the room's sending and a moment after it concluded, and every status a live
+        receiver misses is recorded as told in the worker's told table, for that receiver's
+        incarnation. A status never told (a bug) is not excused."""
+        from ipc import told as told_module
+        from ipc.rooms import RoomState
+
+        rm = self.rooms[room]
+        if not any(rm.sent_at <= t <= e.concluded + self.s.reaper_loss_before_s for t in self.reaper_kills):
+            return False
+        told = self.w.sup.shared.told
+        for k, ob in rm.observers.items():
+            if not self.alive_observer(k) or ob["failed"] is not None or ob["success"] == ob["items"]:
+                continue
+            # Read from the shared arrays, not the table's index (built once, by its writer)
+            hashes = np.array([told_module.receiver_hash(name) for name in self.incarnations.get(k, ())], np.uint64)
+            mine = np.flatnonzero((told._flags != 0) & (told._room == room) & np.isin(told._rx, hashes))
+            if e.state == RoomState.FAILED:
+                ok = any(told._flags[i] & told_module._FAILED for i in mine)
+            else:
+                ok = all(any(told._items[i, item >> 3] & (1 << (item & 7)) for i in mine)
+                         for item in ob["items"] - ob["success"])
+            if not ok:
+                return False
+        return True
 
     def intake_killed_after(self, sent_at: float) -> bool:
         """Could the request have been lost with a SIGKILLed intake (README known limit 3)? The
@@ -905,12 +939,17 @@ class Chaos:
                 for e in live[:10]))
         # Stages publish their counters a few times a second: what the last answer changed
         # may not be on the board yet, so the counters get a few publishing rounds to clear.
+        # Allocs held for rooms the worker never saw (their requests died in a killed intake)
+        # are answered "unknown room" only bootstrap_timeout_s after they came (PROTOCOL.md
+        # §4), and settle() does not wait for such rooms (known limit 3): they get that long.
         keys = ("sender_live_rooms", "sender_held_allocs", "sender_early_items", "scheduler_pending")
-        end = time.monotonic() + STATS_SETTLE_S
+        start = time.monotonic()
         while True:
             stats = self.w.stats()
             left = {key: stats[key] for key in keys if stats.get(key)}
-            if not left or time.monotonic() >= end:
+            waited = time.monotonic() - start
+            if not left or waited >= STATS_SETTLE_S and (
+                    set(left) != {"sender_held_allocs"} or waited >= STATS_SETTLE_S + self.s.bootstrap_timeout_s):
                 break
             time.sleep(0.05)
         for key, value in left.items():
@@ -996,7 +1035,7 @@ class Chaos:
                 self.hung.add(room)
                 self.violation(f"room {room} is still {verdict[0]} in the worker at the end", "hung")
             concluded = verdict[3] if verdict else rm.sent_at
-            lost_with_reaper = self.reaper_killed_near(concluded)  # README known limit (1)
+            lost_with_reaper = self.reaper_killed_near(concluded) or room in self.told_lost  # known limit (1)
             if missing:
                 if lost_with_reaper:
                     self.lost_with_reaper.append(room)

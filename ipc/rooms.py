@@ -668,8 +668,9 @@ class RoomTable:
                 self._claim_onv[base + o] = 0
         return self._is_there(slot, room)
 
-    def held_by(self, bits: int) -> list[RoomEntry]:
-        """Live entries whose holders have any of ``bits``."""
+    def held_by(self, bits: int, failed_too: bool = False) -> list[RoomEntry]:
+        """Live entries whose holders have any of ``bits``; with ``failed_too``, Failed ones
+        still held as well (a failed room the sender holds until its writes are fenced)."""
         owners = _owners(bits)
         if not owners:
             return []
@@ -677,10 +678,13 @@ class RoomTable:
         st = self._active_states()
         owners = list(owners)
         claimed = ((self._claim_on[:, owners] != 0) & (self._claim_room[:, owners] == rooms[:, None])).any(axis=1)
+        wanted = (st > 0) & (st < RoomState.SUCCESS)
+        if failed_too:
+            wanted |= st == RoomState.FAILED
         out = []
-        for slot in np.flatnonzero(claimed & (st > 0) & (st < RoomState.SUCCESS)).tolist():
+        for slot in np.flatnonzero(claimed & wanted).tolist():
             e = self.get(slot)
-            if e is not None and e.holders & bits and e.live:
+            if e is not None and e.holders & bits and (e.live or failed_too and e.state == RoomState.FAILED):
                 out.append(e)
         return out
 

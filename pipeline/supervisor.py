@@ -199,14 +199,21 @@ class Supervisor(Runtime):
             self.stats_board.write(name, {})
         owner = registry.owner_of(name)
         bit = 1 << owner
-        held = [(e.slot, e.room) for e in self.rooms.held_by(bit)]
-        for slot, room in held:
+        # Failed rooms it still held too: the sender holds a failed room until no write of
+        # it is in flight, and the reaper tells its receivers only then (its death is that
+        # fence). Left out, such a room was live nowhere and nobody ever told them.
+        claimed = self.rooms.held_by(bit, failed_too=True)
+        held = [(e.slot, e.room) for e in claimed if e.live]
+        fencing = [(e.slot, e.room) for e in claimed if not e.live]
+        for slot, room in held + fencing:
             self.rooms.unhold(slot, room, bit)
         self.shared.pixel_arena.reclaim(owner)
         self.shared.emb_arena.reclaim(owner)
-        log.error("the %s stage %s; failing the %d rooms it held: room=%s", name, why, len(held),
-                  ",".join(str(room) for _, room in held[:20]) + (",..." if len(held) > 20 else ""))
-        self.tell_reaper(RoomsLost(tuple(held), f"the {name} stage died while it held this room", died=name))
+        log.error("the %s stage %s; failing the %d rooms it held: room=%s%s", name, why, len(held),
+                  ",".join(str(room) for _, room in held[:20]) + (",..." if len(held) > 20 else ""),
+                  f" (and {len(fencing)} failed rooms it still held)" if fencing else "")
+        self.tell_reaper(RoomsLost(tuple(held + fencing), f"the {name} stage died while it held this room",
+                                   died=name))
         self._say_last_words(name)
         now = time.monotonic()
         self.restarts.append((now, name))

@@ -288,3 +288,70 @@ def test_an_alloc_held_for_an_unseen_room_is_answered_after_the_sender_dies(shm_
     finally:
         r.close()
         w.close()
+
+
+_STOPPABLE_RECEIVER = """
+import sys
+from pipeline.receiver import Receiver
+bootstrap, room = sys.argv[1], int(sys.argv[2])
+r = Receiver("rx-stopped", bootstrap, buffer_bytes=1 << 20)
+r.alloc(room, 0, span=4, hidden=64, dtype="bfloat16", deepstack_width=32, fanout=2, row_start=2, n_rows=2)
+print("allocated", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_sender_killed_while_it_fences_a_failed_room_leaves_no_receiver_waiting(shm_prefix, tmp_path):
+    """Issue #11's hung rooms of the dense soak: a room fails while the sender still has a
+    write in flight (to a receiver that stalls), so the reaper marks it Failed and waits for
+    the sender's Fenced before it tells anyone; the sender is killed meanwhile. The room is
+    no longer live, so it must still be among the rooms the dead sender held, and its
+    receivers told: here the other receiver, which already had its `success` for its
+    shard, hears `failed` (PROTOCOL.md §3: every receiver that allocated gets one)."""
+    from ipc.rooms import RoomState
+
+    w = PipelineWorker(sim_config(shm_prefix, tmp_path, bootstrap_timeout_s=30.0))
+    client = Client(w.cfg.intake, shm_prefix)
+    r = Receiver("rx", w.cfg.bootstrap, buffer_bytes=1 << 20)
+    room = next(_rooms)
+    stalled = subprocess.Popen([sys.executable, "-c", _STOPPABLE_RECEIVER, w.cfg.bootstrap, str(room)],
+                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert stalled.stdout.readline().strip() == "allocated"
+        end = time.monotonic() + 30
+        while w.stats().get("sender_held_allocs") != 1:  # its alloc is in: held for the unseen room
+            assert time.monotonic() < end, "the sender never held the stalled receiver's alloc"
+        os.kill(stalled.pid, signal.SIGSTOP)  # its Mooncake server stops answering: the write hangs
+        spec = w.spec
+        client.encode(room, "stall", [Item("image", *image(1, grid=(1, 4, 4)))])
+        r.alloc(room, 0, span=4, hidden=spec.hidden, dtype=spec.dtype, deepstack_width=spec.deepstack_width,
+                fanout=2, row_start=0, n_rows=2)
+        end = time.monotonic() + 30
+        while (room, 0) not in r.success:
+            assert time.monotonic() < end and not r.failed, (r.success, r.failed)
+            r.poll(0.1)
+        r.cancel(room)  # the sender fails and fences the room: its write to rx-stopped is in flight
+        end = time.monotonic() + 30
+        while True:
+            slot = w.sup.rooms.find(room)
+            entry = w.sup.rooms.get(slot) if slot is not None else None
+            if entry is not None and entry.state == RoomState.FAILED:
+                break
+            assert time.monotonic() < end, f"the room never failed: {entry}"
+            time.sleep(0.02)
+        r.poll(0.2)
+        assert room not in r.failed, "told before the fence (the write to the stopped receiver is in flight)"
+        os.kill(stage_pid(w, "sender"), signal.SIGKILL)
+        wait_restarted(w, "sender")
+        end = time.monotonic() + 20
+        while room not in r.failed and time.monotonic() < end:
+            r.poll(0.1)
+        assert r.failed.get(room) == "canceled", "the receiver was never told the room failed"
+        assert not r.violations, r.violations
+    finally:
+        stalled.kill()
+        stalled.wait()
+        client.close()
+        r.close()
+        w.close()

@@ -454,3 +454,33 @@ def test_a_receiver_restarted_under_the_same_id_hears_what_its_predecessor_was_t
     assert [m["state"] for _, m in pusher.sent] == ["failed", "failed"]
     assert pusher.endpoints[RECEIVER] == "tcp://127.0.0.1:5002"
     stage.close()
+
+
+@pytest.mark.parametrize("reaper_restarted", [False, True])
+def test_a_failed_room_whose_fence_died_with_the_sender_is_told_to_every_receiver(tables, rooms, reaper_restarted):
+    """The room failed (a write to rx-a failed) while the sender still had a write in flight,
+    so the reaper marked it Failed and waits for Fenced; the sender dies first. The supervisor
+    lists the failed room among those the dead sender held: its death is the fence, and both
+    receivers hear `failed`, rx-b after its `success` too; also when the reaper that marked
+    the room died meanwhile and its successor knows nothing of the wait."""
+    stage, pusher, _ = make_reaper(tables)
+    for rx in ("rx-a", "rx-b"):
+        reg = wire.Register(rx, "127.0.0.1:1", f"tcp://127.0.0.1:{5001 if rx == 'rx-a' else 5002}")
+        tables[2].put(reg.receiver, reg.session, reg.status)
+        feed(stage, "sender", Registered(reg))
+    slot = rooms.insert(ROOM, "req", 2, OWNER_INTAKE)
+    feed(stage, "intake", RoomOpened(slot, ROOM, "req", (4, 4), 0.0))
+    feed(stage, "sender", AllocSeen(ROOM, "rx-a"))
+    feed(stage, "sender", AllocSeen(ROOM, "rx-b"))
+    feed(stage, "sender", ShardWritten(ROOM, 1, "rx-b"))
+    feed(stage, "sender", ItemDone(slot, ROOM, 1, 1))
+    feed(stage, "sender", RoomFailure(slot, ROOM, "transfer to receiver rx-a failed"))
+    assert rooms.get(slot).state == RoomState.FAILED and states(pusher) == [(1, "success")]
+    if reaper_restarted:
+        stage.close()
+        stage, pusher, _ = make_reaper(tables)
+    feed(stage, "supervisor", RoomsLost(((slot, ROOM),), "the sender stage died while it held this room",
+                                        died="sender"))
+    failed = sorted(r for r, msg in pusher.sent if msg["state"] == "failed")
+    assert failed == ["rx-a", "rx-b"], pusher.sent
+    stage.close()

@@ -75,6 +75,8 @@ def test_lifecycle_and_attach(make_table, shm_prefix):
         e = other.get(slot)
         assert e.state == S.FAILED and e.reason == "tower died" and e.concluded >= e.created
         assert other.held_by(4) == [] and other.entries() == [e]
+        # ... yet a failed room a stage still holds is there to be found when that stage dies
+        assert [x.slot for x in other.held_by(4, failed_too=True)] == [slot] and other.held_by(1, True) == []
         assert t.free(slot, 2**63 - 1) and not t.free(slot, 2**63 - 1)
         assert other.get(slot) is None and other.find(2**63 - 1) is None and other.entries() == []
     finally:
@@ -260,6 +262,9 @@ class RoomMachine(RuleBasedStateMachine):
         for bits in range(16):
             want = sorted(s for s, m in self.model.items() if m["holders"] & bits and m["state"] in LIVE)
             assert [e.slot for e in t.held_by(bits)] == want
+            want = sorted(s for s, m in self.model.items()
+                          if m["holders"] & bits and (m["state"] in LIVE or m["state"] == RoomState.FAILED))
+            assert [e.slot for e in t.held_by(bits, failed_too=True)] == want
         assert t.repairs == 0
 
     def teardown(self):
