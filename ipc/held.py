@@ -27,11 +27,11 @@ from .wire import MAX_ID_CHARS, Alloc
 
 __all__ = ["HeldAllocs"]
 
-BODY = 4 * MAX_ID_CHARS + 128  # an alloc: a receiver id of MAX_ID_CHARS in UTF-8 and a dozen numbers
+BODY = 4 * MAX_ID_CHARS + 144  # an alloc: a receiver id of MAX_ID_CHARS in UTF-8, a dozen numbers, its incarnation
 _HEAD = struct.Struct("<dH")  # held since (time.monotonic()), body length
 _SLOT = _HEAD.size + BODY
 _HDR = 64
-_MAGIC = 0x646C_6568_0000_0001  # "held", layout 1
+_MAGIC = 0x646C_6568_0000_0002  # "held", layout 2
 _values = attrgetter(*(f.name for f in fields(Alloc)))  # dataclasses.astuple deep-copies each value: 20x slower
 
 

@@ -207,6 +207,13 @@ class Register:
     session: str
     status: str
 
+    @property
+    def incarnation(self) -> int:
+        """Which registration of its receiver this is: a 64-bit hash of its session and status
+        endpoint. A `register` replaces the one before (a restarted receiver); one with the
+        same session and endpoint is taken as the same process registering again."""
+        return xxhash.xxh3_64_intdigest(f"{self.session}\0{self.status}".encode())
+
 
 @dataclass
 class Alloc:
@@ -222,6 +229,9 @@ class Alloc:
     dtype: str
     deepstack_width: int
     fanout: int
+    # Not on the wire: the incarnation (Register.incarnation) of the registration the alloc
+    # came under, set by the worker. Rows are written only while it is still the current one.
+    incarnation: int = 0
 
 
 @dataclass

@@ -118,3 +118,47 @@ def test_a_bad_held_alloc_fails_its_room_once_and_the_rest_are_answered(sender):
     s.events.clear()
     s._on_alloc(mk("rx-c", 1, 4), time.monotonic())  # later still: answered too
     assert s.events == [LateAlloc(ROOM, "rx-c")] and not s.held
+
+
+class _Engine:
+    """Records the writes a sender starts; they stay in flight."""
+
+    def __init__(self):
+        self.writes = []
+
+    def submit(self, session, srcs, dsts, lens):
+        self.writes.append((session, dsts))
+        return object()
+
+
+def _bootstrap(s, **msg):
+    from ipc import wire
+
+    s.on_bootstrap(wire.encode({"v": wire.VERSION, **msg}))
+
+
+@pytest.mark.parametrize("again", ["new session", "same session"])
+def test_an_alloc_from_a_receiver_that_registered_again_is_never_written(sender, again):
+    """A register replaces the one before (a restarted receiver, PROTOCOL.md §2): an alloc
+    that came before it names the predecessor's buffers, and the current session is
+    another process's. Its room fails; no write starts. The same session and status
+    endpoint registered again is the same receiver: its allocs stand."""
+    from stages.records import OWNER_TOWER, ReadyItem, RoomFailure
+
+    s, rooms = sender
+    s.engine = engine = _Engine()
+    _bootstrap(s, type="register", receiver="rx", session="127.0.0.1:1111", status="tcp://127.0.0.1:2222")
+    slot = rooms.insert(ROOM, "req", 1, OWNER_INTAKE)
+    s.on_opened(RoomOpened(slot, ROOM, "req", [4], 0.0))
+    _bootstrap(s, type="alloc", receiver="rx", room=ROOM, item=0, dst=4096, dst_deepstack=0, row_start=0,
+               n_rows=4, span=4, hidden=8, dtype="bfloat16", deepstack_width=0, fanout=1)
+    session = "127.0.0.1:3333" if again == "new session" else "127.0.0.1:1111"
+    _bootstrap(s, type="register", receiver="rx", session=session, status="tcp://127.0.0.1:2222")
+    lease = s.arena.alloc(4 * 8 * 2, OWNER_TOWER)
+    s.on_ready(ReadyItem(slot, ROOM, 0, 4, lease), source="tower")
+    failures = [e for e in s.events if isinstance(e, RoomFailure)]
+    if again == "new session":
+        assert engine.writes == []
+        assert len(failures) == 1 and "registered again" in failures[0].reason, s.events
+    else:
+        assert engine.writes == [("127.0.0.1:1111", [4096])] and not failures
