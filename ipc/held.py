@@ -27,7 +27,7 @@ from .wire import MAX_ID_CHARS, Alloc
 
 __all__ = ["HeldAllocs"]
 
-BODY = 4 * MAX_ID_CHARS + 144  # an alloc: a receiver id of MAX_ID_CHARS in UTF-8, a dozen numbers, its incarnation
+BODY = 4 * MAX_ID_CHARS + 144  # an alloc: a receiver id of MAX_ID_CHARS in UTF-8, a dozen numbers, its session's hash
 _HEAD = struct.Struct("<dH")  # held since (time.monotonic()), body length
 _SLOT = _HEAD.size + BODY
 _HDR = 64

@@ -208,11 +208,10 @@ class Register:
     status: str
 
     @property
-    def incarnation(self) -> int:
-        """Which registration of its receiver this is: a 64-bit hash of its session and status
-        endpoint. A `register` replaces the one before (a restarted receiver); one with the
-        same session and endpoint is taken as the same process registering again."""
-        return xxhash.xxh3_64_intdigest(f"{self.session}\0{self.status}".encode())
+    def session_hash(self) -> int:
+        """A 64-bit hash of the session: an alloc's addresses name memory of one Mooncake
+        session, and a receiver registered again under another is another process."""
+        return xxhash.xxh3_64_intdigest(self.session.encode())
 
 
 @dataclass
@@ -229,9 +228,9 @@ class Alloc:
     dtype: str
     deepstack_width: int
     fanout: int
-    # Not on the wire: the incarnation (Register.incarnation) of the registration the alloc
-    # came under, set by the worker. Rows are written only while it is still the current one.
-    incarnation: int = 0
+    # Not on the wire: Register.session_hash of the registration the alloc came under, set by
+    # the worker. Rows are written only while the receiver's session is still that one.
+    session_hash: int = 0
 
 
 @dataclass

@@ -126,7 +126,7 @@ class Sender:
         elif isinstance(m, Cancel):
             self._on_cancel(m)
         else:
-            m.incarnation = self.receivers[m.receiver].incarnation
+            m.session_hash = self.receivers[m.receiver].session_hash
             self._on_alloc(m, now)
 
     def on_opened(self, opened: RoomOpened) -> None:
@@ -278,11 +278,11 @@ class Sender:
         ds_row = self.deepstack_width * self.itemsize
         ds_base = base + it.span * main_row
         for a in it.allocs:
-            if a.incarnation != self.receivers[a.receiver].incarnation:
-                # The receiver registered again since (a restarted process): the addresses
-                # this alloc named are its predecessor's, and the session is another's.
-                self._fail(room, tx, f"receiver {a.receiver} registered again (a new session or status "
-                                     f"endpoint) after its alloc for item {item}: the buffers it named are gone")
+            if a.session_hash != self.receivers[a.receiver].session_hash:
+                # The receiver registered again since under another session (a restarted
+                # process): the addresses this alloc named are its predecessor's.
+                self._fail(room, tx, f"receiver {a.receiver} registered again with another session after "
+                                     f"its alloc for item {item}: the buffers it named are gone")
                 return
         for a in it.allocs:
             if not a.n_rows:

@@ -137,12 +137,12 @@ def _bootstrap(s, **msg):
     s.on_bootstrap(wire.encode({"v": wire.VERSION, **msg}))
 
 
-@pytest.mark.parametrize("again", ["new session", "same session"])
+@pytest.mark.parametrize("again", ["new session", "same session", "same session, new status endpoint"])
 def test_an_alloc_from_a_receiver_that_registered_again_is_never_written(sender, again):
     """A register replaces the one before (a restarted receiver, PROTOCOL.md §2): an alloc
-    that came before it names the predecessor's buffers, and the current session is
-    another process's. Its room fails; no write starts. The same session and status
-    endpoint registered again is the same receiver: its allocs stand."""
+    that came before one under another session names the predecessor's buffers. Its room
+    fails; no write starts. The same session registered again (a status endpoint moved)
+    is the same receiver's memory: its allocs stand."""
     from stages.records import OWNER_TOWER, ReadyItem, RoomFailure
 
     s, rooms = sender
@@ -153,7 +153,8 @@ def test_an_alloc_from_a_receiver_that_registered_again_is_never_written(sender,
     _bootstrap(s, type="alloc", receiver="rx", room=ROOM, item=0, dst=4096, dst_deepstack=0, row_start=0,
                n_rows=4, span=4, hidden=8, dtype="bfloat16", deepstack_width=0, fanout=1)
     session = "127.0.0.1:3333" if again == "new session" else "127.0.0.1:1111"
-    _bootstrap(s, type="register", receiver="rx", session=session, status="tcp://127.0.0.1:2222")
+    status = "tcp://127.0.0.1:4444" if "new status" in again else "tcp://127.0.0.1:2222"
+    _bootstrap(s, type="register", receiver="rx", session=session, status=status)
     lease = s.arena.alloc(4 * 8 * 2, OWNER_TOWER)
     s.on_ready(ReadyItem(slot, ROOM, 0, 4, lease), source="tower")
     failures = [e for e in s.events if isinstance(e, RoomFailure)]
