@@ -503,7 +503,7 @@ class Chaos:
         if kind == "ready":
             slot.state = "up"
             # whom the worker's told table records a status for (stages/reaper.py, _incarnation)
-            self.incarnations[slot.key] = (slot.rx_id, f"{slot.rx_id}\0{msg[2]}\0{msg[3]}")
+            self.incarnations[slot.key] = (slot.rx_id, f"{slot.rx_id}\0{msg[2]}")
             self.log(f"receiver {slot.rx_id} up (pid {msg[1]}, incarnation {slot.inc})")
         elif kind == "status":
             _, room, item, state, reason, at = msg
@@ -974,7 +974,9 @@ class Chaos:
                     slot.proc.kill()
                     slot.proc.join(5)
         self.client.close()
-        procs = {name: p for name, p in self.w.sup.procs.items() if p is not None}
+        # Stages alive now: one killed a moment ago (by the chaos, or by the hang killer on a
+        # loaded machine) and not restarted yet did not exit at shutdown.
+        procs = {name: p for name, p in self.w.sup.procs.items() if p is not None and p.is_alive()}
         self.w.close()
         self.stage_exit_codes = {name: p.exitcode for name, p in procs.items()}
 

@@ -329,12 +329,14 @@ class Reaper:
         self.pusher.send(receiver, wire.status_message(room, None, False, reason))
 
     def _incarnation(self, receiver: str) -> str:
-        """Whom the told table records a status for: the receiver as registered now. A
-        receiver restarted under the same id registers a new session and status endpoint;
-        what its previous incarnation was told (or was sent, before we heard of the new
-        one) the new one never heard, and it is told again."""
+        """Whom the told table records a status for: the receiver as registered now, by its
+        id and Mooncake session (its process: the sender binds allocs to it the same way). A
+        receiver restarted under the same id registers a new session; what its previous
+        incarnation was told (or was sent, before we heard of the new one) the new one never
+        heard, and it is told again. One that only moved its status endpoint is the same
+        process, and hears nothing twice."""
         reg = self.registrations.get(receiver)
-        return receiver if reg is None else f"{receiver}\0{reg.session}\0{reg.status}"
+        return receiver if reg is None else f"{receiver}\0{reg.session}"
 
     def _recorded(self, ok: bool) -> None:
         if not ok:

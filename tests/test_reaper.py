@@ -484,3 +484,23 @@ def test_a_failed_room_whose_fence_died_with_the_sender_is_told_to_every_receive
     failed = sorted(r for r, msg in pusher.sent if msg["state"] == "failed")
     assert failed == ["rx-a", "rx-b"], pusher.sent
     stage.close()
+
+
+def test_a_receiver_that_moved_its_status_endpoint_is_not_told_twice(tables):
+    """The same process registering again at another status endpoint (the same Mooncake
+    session) is the same receiver: what it was told stands, and a late alloc of a failed
+    room is not answered a second time at the new endpoint (the protocol model found a
+    second `failed` so)."""
+    rooms, _, receivers = tables
+    stage, pusher, _ = make_reaper(tables)
+    feed(stage, "sender", Registered(wire.Register(RECEIVER, "127.0.0.1:1", "tcp://127.0.0.1:5001")))
+    slot = rooms.insert(ROOM, "req-7", 1, OWNER_INTAKE)
+    feed(stage, "intake", RoomOpened(slot, ROOM, "req-7", (4,), 0.0))
+    feed(stage, "sender", AllocSeen(ROOM, RECEIVER))
+    feed(stage, "cache", RoomFailure(slot, ROOM, "canceled"))
+    feed(stage, "sender", Fenced(ROOM, (RECEIVER,)))
+    feed(stage, "sender", Registered(wire.Register(RECEIVER, "127.0.0.1:1", "tcp://127.0.0.1:5002")))
+    feed(stage, "sender", LateAlloc(ROOM, RECEIVER))
+    assert [(r, m["state"]) for r, m in pusher.sent] == [(RECEIVER, "failed")], "told twice"
+    assert pusher.endpoints[RECEIVER] == "tcp://127.0.0.1:5002"  # what it is told next goes there
+    stage.close()
