@@ -457,9 +457,7 @@ class RoomTable:
             if f[_STATE] == RoomState.FREE:  # the column is a hint; the record decides
                 return start, s
         for a in list(range(start, cap, _FREE_CHUNK)) + list(range(0, start, _FREE_CHUNK)):
-            b = min(a + _FREE_CHUNK, cap if a >= start else start)
-            st = self._states[a:b]
-            free = np.where(self._seq[a:b] & 1, st[:, 1], st[:, 0]) == 0
+            free = self._active_states(a, min(a + _FREE_CHUNK, cap if a >= start else start)) == 0
             while True:
                 i = int(free.argmax())
                 if not free[i]:
@@ -525,9 +523,10 @@ class RoomTable:
         st = self._active_states()
         return int(((st > RoomState.FREE) & (st < RoomState.SUCCESS)).sum())
 
-    def _active_states(self) -> np.ndarray:
-        st = self._states
-        return np.where(self._seq & 1, st[:, 1], st[:, 0])
+    def _active_states(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """The active copy's state column of slots [lo, hi)."""
+        st = self._states[lo:hi]
+        return np.where(self._seq[lo:hi] & 1, st[:, 1], st[:, 0])
 
     # -- writes ----------------------------------------------------------------
 
@@ -695,36 +694,24 @@ class RoomTable:
 
         A concluded room is final: its count is returned unchanged.
         """
-        done = []
-
-        def change(f):
-            if f[_STATE] >= RoomState.SUCCESS or f[_DONE] >= _U32_MAX:
-                return f[_DONE]
-            new = f[_DONE] + 1 if done_so_far is None else min(max(f[_DONE], done_so_far), _U32_MAX)
-            if new == f[_DONE]:
-                return new
-            f[_DONE] = new
-            done.append(new)
-            return f
-
-        r = self._update(slot, room, change)
-        if r is None:
-            return -1
-        return done[0] if r is True else r
+        return self._count_item(slot, room, done_so_far, False)[0]
 
     def complete_item(self, slot: int, room: int, done_so_far: int) -> tuple[int, bool]:
         """``item_done(slot, room, done_so_far)``, and, in the same update, SUCCESS once the
         count reaches the room's items (also when it had already: a writer that died between
         the two). Returns (the count, whether this call concluded the room); (-1, False) if
         ``slot`` no longer holds ``room``."""
+        return self._count_item(slot, room, done_so_far, True)
+
+    def _count_item(self, slot: int, room: int, done_so_far: int | None, conclude: bool) -> tuple[int, bool]:
         out = [-1, False]
 
         def change(f):
             out[0] = f[_DONE]
             if f[_STATE] >= RoomState.SUCCESS or f[_DONE] >= _U32_MAX:
                 return False
-            new = out[0] = min(max(f[_DONE], done_so_far), _U32_MAX)
-            out[1] = new >= f[_TOTAL]
+            new = out[0] = f[_DONE] + 1 if done_so_far is None else min(max(f[_DONE], done_so_far), _U32_MAX)
+            out[1] = conclude and new >= f[_TOTAL]
             if new == f[_DONE] and not out[1]:
                 return False
             f[_DONE] = new

@@ -6,8 +6,8 @@ room the predecessor concluded) never tells a receiver the same thing twice, nor
 `success` after `failed`.
 
 One entry per (room, receiver) told anything: the room (u64), a 64-bit hash of the
-receiver (xxh3; the reaper names a receiver by its registration, id, session and
-status endpoint, so that a restarted receiver is one not told yet), when it was first told (time.monotonic(), for the tombstone a
+receiver (xxh3; the reaper names a receiver by its id and Mooncake session, so that a
+restarted receiver is one not told yet), when it was first told (time.monotonic(), for the tombstone a
 successor rebuilds), whether it was told `failed`, and a bit per item told
 `success`. One writer (the reaper), no lock. An entry is written while free and
 published by one byte store of its flags (0 = free); afterwards a change is one

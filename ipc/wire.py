@@ -5,6 +5,7 @@ patch_dim, the item's span, remembered rooms) are checked by the stages.
 """
 from __future__ import annotations
 
+import functools
 import re
 import struct
 from collections import Counter
@@ -207,7 +208,7 @@ class Register:
     session: str
     status: str
 
-    @property
+    @functools.cached_property
     def session_hash(self) -> int:
         """A 64-bit hash of the session: an alloc's addresses name memory of one Mooncake
         session, and a receiver registered again under another is another process."""

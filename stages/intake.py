@@ -17,12 +17,12 @@ from ipc import wire
 from ipc.stats import reason_class
 from ipc.wire import ProtocolError
 from stages.base import POLL_S, Stage
-
-LIVE_RECOUNT_S = 0.01
-READ_PIECE = 512 << 10  # pixels read and hashed at a time: fits a core's L2
 from stages.records import OWNER_INTAKE, RoomFailure, RoomOpened, WorkItem
 
 log = logging.getLogger("epd.intake")
+
+LIVE_RECOUNT_S = 0.01
+READ_PIECE = 512 << 10  # pixels read and hashed at a time: fits a core's L2
 
 
 class _Closer:

@@ -431,12 +431,10 @@ def test_a_registration_whose_telling_died_with_the_sender_is_read_back(tables):
     stage.close()
 
 
-def test_a_receiver_restarted_under_the_same_id_hears_what_its_predecessor_was_told(tables):
-    """The told table records a status for the receiver as registered: a restarted
-    receiver (same id, new session and status endpoint) never heard what was sent to its
-    previous incarnation, and its alloc for that room is answered; once, and a receiver
-    that registers again unchanged is not told twice."""
-    rooms, _, receivers = tables
+def _a_room_failed_at_its_receiver(tables):
+    """A reaper that told RECEIVER (session 127.0.0.1:1, status endpoint :5001) that ROOM,
+    which it allocated for, was canceled."""
+    rooms = tables[0]
     stage, pusher, _ = make_reaper(tables)
     feed(stage, "sender", Registered(wire.Register(RECEIVER, "127.0.0.1:1", "tcp://127.0.0.1:5001")))
     slot = rooms.insert(ROOM, "req-7", 1, OWNER_INTAKE)
@@ -444,6 +442,15 @@ def test_a_receiver_restarted_under_the_same_id_hears_what_its_predecessor_was_t
     feed(stage, "sender", AllocSeen(ROOM, RECEIVER))
     feed(stage, "cache", RoomFailure(slot, ROOM, "canceled"))
     feed(stage, "sender", Fenced(ROOM, (RECEIVER,)))
+    return stage, pusher
+
+
+def test_a_receiver_restarted_under_the_same_id_hears_what_its_predecessor_was_told(tables):
+    """The told table records a status for the receiver as registered: a restarted
+    receiver (same id, new session and status endpoint) never heard what was sent to its
+    previous incarnation, and its alloc for that room is answered; once, and a receiver
+    that registers again unchanged is not told twice."""
+    stage, pusher = _a_room_failed_at_its_receiver(tables)
     assert [(pusher.endpoints[r], m["state"]) for r, m in pusher.sent] == [("tcp://127.0.0.1:5001", "failed")]
     feed(stage, "sender", Registered(wire.Register(RECEIVER, "127.0.0.1:1", "tcp://127.0.0.1:5001")))
     feed(stage, "sender", LateAlloc(ROOM, RECEIVER))
@@ -491,14 +498,7 @@ def test_a_receiver_that_moved_its_status_endpoint_is_not_told_twice(tables):
     session) is the same receiver: what it was told stands, and a late alloc of a failed
     room is not answered a second time at the new endpoint (the protocol model found a
     second `failed` so)."""
-    rooms, _, receivers = tables
-    stage, pusher, _ = make_reaper(tables)
-    feed(stage, "sender", Registered(wire.Register(RECEIVER, "127.0.0.1:1", "tcp://127.0.0.1:5001")))
-    slot = rooms.insert(ROOM, "req-7", 1, OWNER_INTAKE)
-    feed(stage, "intake", RoomOpened(slot, ROOM, "req-7", (4,), 0.0))
-    feed(stage, "sender", AllocSeen(ROOM, RECEIVER))
-    feed(stage, "cache", RoomFailure(slot, ROOM, "canceled"))
-    feed(stage, "sender", Fenced(ROOM, (RECEIVER,)))
+    stage, pusher = _a_room_failed_at_its_receiver(tables)
     feed(stage, "sender", Registered(wire.Register(RECEIVER, "127.0.0.1:1", "tcp://127.0.0.1:5002")))
     feed(stage, "sender", LateAlloc(ROOM, RECEIVER))
     assert [(r, m["state"]) for r, m in pusher.sent] == [(RECEIVER, "failed")], "told twice"
