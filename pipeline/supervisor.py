@@ -338,6 +338,8 @@ class Supervisor(Runtime):
             proc.terminate()
             proc.join(timeout)
         if proc.is_alive():
+            log.warning("the %s stage (pid %d) did not exit within %.0f s of SIGTERM: killing it",
+                        name, proc.pid, timeout)
             proc.kill()
             proc.join(5)
 
