@@ -18,6 +18,34 @@ from stages.records import RoomsLost
 SHUTTING_DOWN = "worker shutting down"
 
 
+class SignalFlag:
+    """A stop flag that a signal handler sets: what `threading.Event` offers, without its lock.
+
+    A Python signal handler runs in the main thread between two bytecodes of whatever
+    it interrupted, and a second signal's handler can run inside the first one's.
+    `Event.set` takes a lock that is not reentrant, so a handler that sets an Event
+    deadlocks when it interrupts code holding that lock: the main thread in
+    `Event.wait`, or the first handler inside `set` (a stage that got the supervisor's
+    two SIGTERMs back to back hung until it was SIGKILLed). Setting an attribute
+    cannot block."""
+
+    def __init__(self):
+        self._set = False
+
+    def set(self, *_signal) -> None:
+        """Also a signal handler as it is (`signal.signal(SIGTERM, flag.set)`)."""
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float) -> bool:
+        """Sleeps `timeout` unless set (a signal may cut it short); whether it is set."""
+        if not self._set:
+            time.sleep(timeout)
+        return self._set
+
+
 class StartError(RuntimeError):
     """The worker could not start (exit code 3); the message says why."""
 
@@ -97,7 +125,7 @@ class Runtime:
     draining = False
     _turned_at: float | None = None
 
-    def serve(self, stop: threading.Event, second: threading.Event | None = None) -> int:
+    def serve(self, stop: threading.Event | SignalFlag, second: threading.Event | SignalFlag | None = None) -> int:
         """Serve until `stop`; then drain for drain_timeout_s (none once `second` is set)
         and stop. Returns 0, or 1 if the run could not go on."""
         second = second or threading.Event()
@@ -181,7 +209,7 @@ def serve_until_signalled(make, announce) -> int:
     """`run.py serve`: start the runtime `make()` builds, serve until SIGTERM/SIGINT, drain
     for drain_timeout_s (a second signal, before or during it, skips the rest), close.
     Returns the runtime's exit code; StartError if it could not start."""
-    stop, second = threading.Event(), threading.Event()
+    stop, second = SignalFlag(), SignalFlag()
 
     def on_signal(signum, _frame):
         (second if stop.is_set() else stop).set()

@@ -2,11 +2,11 @@
 heartbeat, custody in the room table, counters on the stats board."""
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
 import sys
-import threading
 import time
 from dataclasses import asdict
 
@@ -16,11 +16,13 @@ from pipeline import numa, wiring
 from pipeline.boards import Heartbeats, IntakeJournal, StatsBoard
 from pipeline.config import WorkerConfig, setup_logging
 from pipeline.host import Env, Loop, RingChannel
-from pipeline.runtime import SHUTTING_DOWN
+from pipeline.runtime import SHUTTING_DOWN, SignalFlag
 from stages.base import TableCustody
 from stages import registry
 
 log = logging.getLogger("epd.stage")
+
+DUMP_STACKS = signal.SIGUSR1
 
 
 def stage_process(name: str, cfg_kwargs: dict, run_id: str, spec_kwargs: dict | None, conn,
@@ -29,9 +31,11 @@ def stage_process(name: str, cfg_kwargs: dict, run_id: str, spec_kwargs: dict | 
     numa.pin(cpus)  # first: the threads this process starts (torch, zmq, Mooncake) inherit it
     cfg = WorkerConfig(**cfg_kwargs)
     setup_logging(cfg, name)
-    stopping = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    stopping = SignalFlag()
+    signal.signal(signal.SIGTERM, stopping.set)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides
+    # The supervisor asks a stage that does not stop for its stacks before it kills it.
+    faulthandler.register(DUMP_STACKS, all_threads=True)
     try:
         host = StageHost(name, cfg, run_id, spec_kwargs)
     except BaseException as e:
@@ -117,7 +121,7 @@ class StageHost:
             self.row[Heartbeats.BUSY] = min(1.0, max(0.0, 1.0 - self.loop.idle_s / wall))
             self._busy_window_at, self.loop.idle_s = now, 0.0
 
-    def run(self, stopping: threading.Event) -> None:
+    def run(self, stopping: SignalFlag) -> None:
         while not stopping.is_set():
             self._beat()
             self.loop.step(0.1)  # heartbeats and timers at least this often

@@ -28,7 +28,7 @@ from pipeline import numa, wiring
 from pipeline.boards import Heartbeats, IntakeJournal, StatsBoard
 from pipeline.metrics import MetricsError, MetricsServer, Snapshot, StageTotals, merge_stats
 from pipeline.runtime import Runtime, StartError
-from pipeline.stage_host import stage_process
+from pipeline.stage_host import DUMP_STACKS, stage_process
 from stages import registry
 from stages.records import RoomsLost
 from stages.registry import REQUEST_STAGE
@@ -338,8 +338,13 @@ class Supervisor(Runtime):
             proc.terminate()
             proc.join(timeout)
         if proc.is_alive():
-            log.warning("the %s stage (pid %d) did not exit within %.0f s of SIGTERM: killing it",
-                        name, proc.pid, timeout)
+            log.warning("the %s stage (pid %d) did not exit within %.0f s of SIGTERM: its stacks "
+                        "follow on stderr; killing it", name, proc.pid, timeout)
+            try:
+                os.kill(proc.pid, DUMP_STACKS)
+            except ProcessLookupError:
+                pass
+            proc.join(1.0)
             proc.kill()
             proc.join(5)
 

@@ -392,3 +392,45 @@ def test_serve_speaks_to_systemd_and_answers_probes(mode, where, shm_prefix, tmp
             obj.close()
         listener.close()
     assert not listener.times("READY=1", since=ready_at + 0.001), "READY=1 twice"
+
+
+def _survives_being_interrupted_by_itself(handler, within: float = 30.0) -> bool:
+    """Calls `handler` as a signal would, and at every line it (or what it calls) runs,
+    calls it again, as a second signal arriving just then would: whether all of that
+    finished. A handler that takes a lock deadlocks on the line that holds it."""
+    def run() -> None:
+        nesting = [False]
+
+        def trace(frame, event, arg):
+            if event == "line" and not nesting[0]:
+                nesting[0] = True
+                try:
+                    handler(signal.SIGTERM, None)
+                finally:
+                    nesting[0] = False
+            return trace
+
+        sys.settrace(trace)
+        try:
+            handler(signal.SIGTERM, None)
+        finally:
+            sys.settrace(None)
+
+    t = threading.Thread(target=run, daemon=True)  # left blocked forever if it deadlocks
+    t.start()
+    t.join(within)
+    return not t.is_alive()
+
+
+def test_a_stop_flag_set_by_a_signal_handler_can_be_interrupted_by_a_second_signal():
+    """The supervisor's stop sends a stage SIGTERM twice back to back; a stage whose handler
+    set a threading.Event hung with the second handler waiting for the lock the first held,
+    until the supervisor SIGKILLed it 5 s later (the dense chaos soak's "-9 at shutdown")."""
+    from pipeline.runtime import SignalFlag
+
+    flag = SignalFlag()
+    assert _survives_being_interrupted_by_itself(lambda *sig: flag.set(*sig))
+    assert flag.is_set()
+    # The check itself finds the deadlock an Event has.
+    event = threading.Event()
+    assert not _survives_being_interrupted_by_itself(lambda *_: event.set(), within=1.0)
