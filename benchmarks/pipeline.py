@@ -61,7 +61,10 @@ Figures (each a ratio against a baseline measured in the same run):
   stage builds it, start(...).result() one batch after another, outs registered
   as the embedding arena is) on the batches the scheduler forms from the same
   images all waiting, in one process. Target >= 0.95; in-process / tower alone
-  is printed too.
+  is printed too, and tiny_tower_alone_busy_neighbour_vs_alone: the tower alone
+  while another process spins a Python loop, / alone (no target: what any work
+  on the other core costs the forward on this machine; the pipeline's other
+  stages are such work).
 - peak resident memory of each worker's process tree (for the pipeline, the
   supervisor and every stage), sampled at 10 Hz as a sum of RSS (a shared page
   counts in every process that maps it); PSS (each shared page split among its
@@ -789,11 +792,21 @@ def scheduler_batches(grids: list, n: int, merge: int, max_tokens: int, max_item
     return out
 
 
-def tower_alone(cfg_kwargs: dict, grids: list, n: int, trials: int, seed: int) -> dict:
+def _spin(stop) -> None:
+    """A pure-Python loop: work on another core that touches next to no memory."""
+    x = 0
+    while not stop.is_set():
+        for i in range(10000):
+            x += i
+
+
+def tower_alone(cfg_kwargs: dict, grids: list, n: int, trials: int, seed: int, busy_neighbour: bool = False) -> dict:
     """The worker's tower (built as the tower stage builds it: build_tower(cfg.tower,
     **cfg.tower_settings())) on the scheduler's batches of n images, one
     start(...).result() after another in this one process, outs in one buffer
-    registered with the device as the embedding arena is; images/s, best of trials."""
+    registered with the device as the embedding arena is; images/s, best of trials.
+    `busy_neighbour`: while a second process spins a Python loop (another core busy with
+    work that shares nothing with the tower, as the other stages are in a pipeline)."""
     import mmap
 
     import numpy as np
@@ -827,11 +840,23 @@ def tower_alone(cfg_kwargs: dict, grids: list, n: int, trials: int, seed: int) -
     for batch in batches[:3]:  # warm-up
         run(batch)
     rates = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for batch in batches:
-            run(batch)
-        rates.append(n / (time.perf_counter() - t0))
+    spinner = stop = None
+    if busy_neighbour:
+        ctx = mp.get_context("spawn")
+        stop = ctx.Event()
+        spinner = ctx.Process(target=_spin, args=(stop,), daemon=True)
+        spinner.start()
+        time.sleep(0.5)  # started and spinning
+    try:
+        for _ in range(trials):
+            t0 = time.perf_counter()
+            for batch in batches:
+                run(batch)
+            rates.append(n / (time.perf_counter() - t0))
+    finally:
+        if spinner is not None:
+            stop.set()
+            spinner.join(5)
     tower.close()
     return {"images_per_s": max(rates), "trials": rates, "images": n, "batches": len(batches),
             "items_per_batch": n / len(batches)}
@@ -1066,7 +1091,9 @@ def main(argv=None) -> int:
             def alone(sessions) -> dict:
                 cfg = dataclasses.asdict(sessions["pipeline"].cfg)
                 return {"tower_alone": in_child(tower_alone, cfg, [TINY_GRID], n_tiny, max(2, trials_tiny),
-                                                args.seed)}
+                                                args.seed),
+                        "tower_alone_busy_neighbour": in_child(tower_alone, cfg, [TINY_GRID], n_tiny,
+                                                               max(2, trials_tiny), args.seed, True)}
 
             pair = run_pair("tiny", tmp, args, tower="qwen", grids=(TINY_GRID,), n=n_tiny, trials=trials_tiny,
                             warmup=warm, between=alone)
@@ -1089,6 +1116,13 @@ def main(argv=None) -> int:
                   f"{tiny['pipeline_images_per_s']:.1f} (ratio {tiny['pipeline_vs_inprocess']:.2f}); tower "
                   f"alone {ta['images_per_s']:.1f} (trials {', '.join(f'{x:.1f}' for x in ta['trials'])}; "
                   f"{ta['items_per_batch']:.1f} images per batch; the runs formed {formed})", flush=True)
+            busy = pair["pipeline"]["between"]["tower_alone_busy_neighbour"]
+            tiny["tower_alone_busy_neighbour"] = busy
+            results["tiny_tower_alone_busy_neighbour_vs_alone"] = busy["images_per_s"] / ta["images_per_s"]
+            print(f"  the tower alone while another process spins a Python loop (the other core busy, "
+                  f"nothing shared): {busy['images_per_s']:.1f} images/s = "
+                  f"{results['tiny_tower_alone_busy_neighbour_vs_alone']:.2f} of alone (no target: what any "
+                  f"work beside the forward costs it on this machine)", flush=True)
             print(f"tiny_pipeline_vs_tower_alone = {tiny['pipeline_images_per_s']:.1f} / {ta['images_per_s']:.1f} "
                   f"= {ratio:.2f}  {_verdict('tiny_pipeline_vs_tower_alone', ratio)}   (inprocess: "
                   f"{results['tiny_inprocess_vs_tower_alone']:.2f}, no target)", flush=True)
