@@ -328,16 +328,18 @@ class Supervisor(Runtime):
     def stop_all(self) -> None:
         self._stop_processes(5.0)
 
-    def _stop_stage(self, name: str, timeout: float = 5.0) -> None:
-        proc = self.procs.get(name)
-        self.procs.pop(name, None)
+    def _await_stop(self, name: str, timeout: float) -> None:
+        """Wait up to `timeout` for a stage sent SIGTERM to exit, then kill it; one that
+        was given time (a stop, not an aborted start) and still runs is asked for its
+        stacks first: a stage that does not stop is a bug to find."""
+        proc = self.procs.pop(name, None)
         self.pending_restart.pop(name, None)
         if proc is None:
             return
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(timeout)
-        if proc.is_alive():
+        proc.join(timeout)
+        if not proc.is_alive():
+            return
+        if timeout > 0:
             log.warning("the %s stage (pid %d) did not exit within %.0f s of SIGTERM: its stacks "
                         "follow on stderr; killing it", name, proc.pid, timeout)
             try:
@@ -345,20 +347,20 @@ class Supervisor(Runtime):
             except ProcessLookupError:
                 pass
             proc.join(1.0)
-            proc.kill()
-            proc.join(5)
+        proc.kill()
+        proc.join(5)
 
     def _stop_processes(self, timeout: float) -> None:
         self._watching.clear()  # stages that stop stop beating: not hung
         if self._hang_killer is not None:
             self._hang_killer.join(5)
             self._hang_killer = None
-        for name in list(self.procs):
+        for name in list(self.procs):  # all at once: they stop together
             proc = self.procs.get(name)
             if proc is not None and proc.is_alive():
                 proc.terminate()
         for name in list(self.procs):
-            self._stop_stage(name, timeout)
+            self._await_stop(name, timeout)
 
     def close(self) -> None:
         if self.metrics is not None:  # first: a scrape reads the objects closed below

@@ -423,7 +423,8 @@ def _survives_being_interrupted_by_itself(handler, within: float = 30.0) -> bool
 
 
 def test_a_stop_flag_set_by_a_signal_handler_can_be_interrupted_by_a_second_signal():
-    """The supervisor's stop sends a stage SIGTERM twice back to back; a stage whose handler
+    """A stage can get SIGTERM twice back to back (the supervisor's stop sent two; a service
+    manager or an operator signalling the process group adds theirs); a stage whose handler
     set a threading.Event hung with the second handler waiting for the lock the first held,
     until the supervisor SIGKILLed it 5 s later (the dense chaos soak's "-9 at shutdown")."""
     from pipeline.runtime import SignalFlag
