@@ -58,7 +58,9 @@ from pipeline.receiver import Receiver
 from stages import registry
 from tests.helpers import PATCH_DIM, expected_sim_rows, image, sim_config, start_worker
 
-pytestmark = pytest.mark.timeout(600)
+# Each example starts a worker: the limit grows with the profile's examples (the stress
+# profile's half hour, and its shrinking, would otherwise end in pytest-timeout's).
+pytestmark = pytest.mark.timeout(max(600, 4 * settings().max_examples))
 
 _rooms = itertools.count(7_000_000)   # room ids, unique across examples
 GRIDS = [(1, 4, 4), (1, 2, 4), (1, 4, 8), (2, 4, 4), (1, 8, 8)]  # spans 4, 2, 8, 8, 16
