@@ -58,7 +58,10 @@ class StatusPusher:
             return
         old = self.sockets.pop(receiver, None)
         if old is not None:
-            old.close(linger=0)
+            # With its LINGER, not 0: statuses already sent there, still queued while the
+            # connection comes up, go out yet. Closing it at once dropped them, and a
+            # receiver that moved its status endpoint just after a status never heard it.
+            old.close()
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, self.hwm)
         sock.setsockopt(zmq.LINGER, 1000)

@@ -504,3 +504,34 @@ def test_a_receiver_that_moved_its_status_endpoint_is_not_told_twice(tables):
     assert [(r, m["state"]) for r, m in pusher.sent] == [(RECEIVER, "failed")], "told twice"
     assert pusher.endpoints[RECEIVER] == "tcp://127.0.0.1:5002"  # what it is told next goes there
     stage.close()
+
+
+def test_a_status_sent_just_before_the_receiver_moves_its_endpoint_still_arrives():
+    """A receiver registers a new status endpoint while a status to the old one waits for
+    its connection (found by the protocol model under the stress profile: the old socket
+    was closed with linger 0, and the status told just before the move never arrived)."""
+    import zmq
+
+    from stages.reaper import StatusPusher
+    from tests.helpers import free_port
+
+    ctx = zmq.Context()
+    pusher = StatusPusher(ctx)
+    old = f"tcp://127.0.0.1:{free_port()}"  # nothing listens yet: the status waits in the queue
+    new_pull = ctx.socket(zmq.PULL)
+    new_port = new_pull.bind_to_random_port("tcp://127.0.0.1")
+    old_pull = ctx.socket(zmq.PULL)
+    try:
+        pusher.register(RECEIVER, old)
+        pusher.send(RECEIVER, wire.status_message(ROOM, None, False, "canceled"))
+        pusher.register(RECEIVER, f"tcp://127.0.0.1:{new_port}")
+        pusher.send(RECEIVER, wire.status_message(ROOM + 1, 0, True))
+        old_pull.bind(old)  # the old endpoint comes up: the first status is delivered there
+        assert old_pull.poll(5000), "the status sent before the move was dropped"
+        assert wire.decode(old_pull.recv())["room"] == ROOM
+        assert new_pull.poll(5000) and wire.decode(new_pull.recv())["room"] == ROOM + 1
+    finally:
+        pusher.close()
+        for sock in (old_pull, new_pull):
+            sock.close(linger=0)
+        ctx.term()
