@@ -875,7 +875,6 @@ class Chaos:
         between the room's sending and a moment after it concluded, and every status a live
         receiver misses is recorded as told in the worker's told table, for that receiver's
         incarnation. A status never told (a bug) is not excused."""
-        from ipc import told as told_module
         from ipc.rooms import RoomState
 
         rm = self.rooms[room]
@@ -885,14 +884,8 @@ class Chaos:
         for k, ob in rm.observers.items():
             if not self.alive_observer(k) or ob["failed"] is not None or ob["success"] == ob["items"]:
                 continue
-            # Read from the shared arrays, not the table's index (built once, by its writer)
-            hashes = np.array([told_module.receiver_hash(name) for name in self.incarnations.get(k, ())], np.uint64)
-            mine = np.flatnonzero((told._flags != 0) & (told._room == room) & np.isin(told._rx, hashes))
-            if e.state == RoomState.FAILED:
-                ok = any(told._flags[i] & told_module._FAILED for i in mine)
-            else:
-                ok = all(any(told._items[i, item >> 3] & (1 << (item & 7)) for i in mine)
-                         for item in ob["items"] - ob["success"])
+            failed, items = told.recorded(room, self.incarnations.get(k, ()))
+            ok = failed if e.state == RoomState.FAILED else ob["items"] - ob["success"] <= items
             if not ok:
                 return False
         return True

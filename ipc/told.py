@@ -142,6 +142,19 @@ class ToldTable:
     def told_anything(self, room: int, receiver: str) -> bool:
         return self._find(room, receiver) is not None
 
+    # -- another process's view ------------------------------------------------------
+
+    def recorded(self, room: int, receivers) -> tuple[bool, set[int]]:
+        """(failed, items told success) recorded for `room` at any of the `receivers`
+        (names as the writer records them), read from the shared arrays, not the writer's
+        index (which only the writing process builds and keeps)."""
+        hashes = np.array([receiver_hash(r) for r in receivers], np.uint64)
+        mine = np.flatnonzero((self._flags != 0) & (self._room == room) & np.isin(self._rx, hashes))
+        failed = any(self._flags[e] & _FAILED for e in mine)
+        items = {item for e in mine for item in range(self.max_items)
+                 if self._items[e, item >> 3] & (1 << (item & 7))}
+        return failed, items
+
     # -- writes (one writer) -------------------------------------------------------
 
     def record_failed(self, room: int, receiver: str, now: float) -> bool:

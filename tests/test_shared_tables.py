@@ -155,6 +155,13 @@ def test_told_records_and_forgets(make, shm_prefix):
     try:
         assert successor.rooms() == {7: 1.0, 8: 5.0}
         assert successor.told_success(7, 9, "rx") and successor.told_failed(7, "ry")
+        view = ToldTable.attach(shm_prefix, t.run_id, "t")  # another process's reading, no index
+        try:
+            assert view.recorded(7, ["rx"]) == (True, {0, 9})
+            assert view.recorded(7, ["ry", "nobody"]) == (True, set())
+            assert view.recorded(7, ["nobody"]) == (False, set()) and view.recorded(6, ["rx"]) == (False, set())
+        finally:
+            view.close()
         successor.forget(7)
         assert not successor.told_anything(7, "rx") and successor.used() == 1
         assert successor.record_failed(9, "rx", 6.0) and successor.record_failed(10, "rx", 7.0)
