@@ -606,7 +606,6 @@ class PipelineModel(ProtocolModel):
             return True
         # Known limit (1): a status the reaper recorded as told and was killed before it
         # left (in hand, or in ZeroMQ's queue) is lost; a status never recorded is a bug.
-        # The stress profile met it twice in about 20 minutes.
         if not m.sent_before_kill.get("reaper", False):
             return False
         r = self.rx[k]
