@@ -98,6 +98,8 @@ if ROOT not in sys.path:
 import numpy as np  # noqa: E402
 import xxhash  # noqa: E402
 
+from ipc.told import incarnation  # noqa: E402
+
 PATCH_DIM = 3 * 2 * 14 * 14
 HIDDEN, DEEPSTACK, DTYPE, MERGE = 256, 64, "bfloat16", 2
 CANARY = 0xA5
@@ -503,7 +505,7 @@ class Chaos:
         if kind == "ready":
             slot.state = "up"
             # whom the worker's told table records a status for (stages/reaper.py, _incarnation)
-            self.incarnations[slot.key] = (slot.rx_id, f"{slot.rx_id}\0{msg[2]}")
+            self.incarnations[slot.key] = (slot.rx_id, incarnation(slot.rx_id, msg[2]))
             self.log(f"receiver {slot.rx_id} up (pid {msg[1]}, incarnation {slot.inc})")
         elif kind == "status":
             _, room, item, state, reason, at = msg

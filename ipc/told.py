@@ -38,6 +38,12 @@ _MAGIC = 0x646C_6F74_0000_0001  # "told", layout 1
 _fault_hook = None
 
 
+def incarnation(receiver: str, session: str) -> str:
+    """The name a status is recorded under: a receiver's id and its Mooncake session (its
+    process), so that a receiver restarted under the same id is one not told yet."""
+    return f"{receiver}\0{session}"
+
+
 def receiver_hash(receiver: str) -> int:
     return xxhash.xxh3_64_intdigest(receiver.encode())
 
@@ -150,10 +156,9 @@ class ToldTable:
         index (which only the writing process builds and keeps)."""
         hashes = np.array([receiver_hash(r) for r in receivers], np.uint64)
         mine = np.flatnonzero((self._flags != 0) & (self._room == room) & np.isin(self._rx, hashes))
-        failed = any(self._flags[e] & _FAILED for e in mine)
-        items = {item for e in mine for item in range(self.max_items)
-                 if self._items[e, item >> 3] & (1 << (item & 7))}
-        return failed, items
+        failed = bool((self._flags[mine] & _FAILED).any())
+        bits = np.unpackbits(self._items[mine], axis=1, bitorder="little").any(axis=0)
+        return failed, set(np.flatnonzero(bits).tolist())
 
     # -- writes (one writer) -------------------------------------------------------
 

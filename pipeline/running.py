@@ -6,6 +6,7 @@ import socket
 import threading
 
 from pipeline.config import WorkerConfig
+from pipeline.runtime import SignalFlag
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -43,7 +44,7 @@ class Running:
 
     def __init__(self, cfg: WorkerConfig, mode: str = "pipeline", tower=None):
         self.mode = mode
-        self.stop = threading.Event()
+        self.stop = SignalFlag()
         self.code = None
         self.error = None
         self.impl = impl = start(cfg, mode, tower)

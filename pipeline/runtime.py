@@ -5,7 +5,6 @@ supervisor of the stage processes (pipeline/supervisor.py) are the two `Runtime`
 from __future__ import annotations
 
 import signal
-import threading
 import time
 
 from ipc import shm
@@ -106,7 +105,7 @@ class Runtime:
         """Whether what the reaper decided (fences, statuses) has gone out."""
         return True
 
-    def watch(self, stop: threading.Event) -> None:
+    def watch(self, stop: SignalFlag) -> None:
         """One turn of serving: run the stages, or watch their processes."""
         raise NotImplementedError
 
@@ -125,10 +124,10 @@ class Runtime:
     draining = False
     _turned_at: float | None = None
 
-    def serve(self, stop: threading.Event | SignalFlag, second: threading.Event | SignalFlag | None = None) -> int:
+    def serve(self, stop: SignalFlag, second: SignalFlag | None = None) -> int:
         """Serve until `stop`; then drain for drain_timeout_s (none once `second` is set)
         and stop. Returns 0, or 1 if the run could not go on."""
-        second = second or threading.Event()
+        second = second or SignalFlag()
         while not stop.is_set() and self.fatal is None:
             self.watch(stop)
             self.turned()

@@ -27,7 +27,7 @@ from ipc.ring import Ring
 from pipeline import numa, wiring
 from pipeline.boards import Heartbeats, IntakeJournal, StatsBoard
 from pipeline.metrics import MetricsError, MetricsServer, Snapshot, StageTotals, merge_stats
-from pipeline.runtime import Runtime, StartError
+from pipeline.runtime import Runtime, SignalFlag, StartError
 from pipeline.stage_host import DUMP_STACKS, stage_process
 from stages import registry
 from stages.records import RoomsLost
@@ -146,7 +146,7 @@ class Supervisor(Runtime):
         return TowerSpec(**self.spec_kwargs)
 
     # ------------------------------------------------------------ watching
-    def watch(self, stop: threading.Event) -> None:
+    def watch(self, stop: SignalFlag) -> None:
         self.check()
         stop.wait(0.05)
 

@@ -9,13 +9,12 @@ keeps several devices busy as it keeps one.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 from pipeline import wiring
 from pipeline.host import Env, Loop, QueueChannel
 from pipeline.metrics import MetricsServer, Snapshot, Totals, merge_stats, totals_of
-from pipeline.runtime import Runtime
+from pipeline.runtime import Runtime, SignalFlag
 from stages import registry
 
 log = logging.getLogger("epd.worker")
@@ -48,7 +47,7 @@ class Worker(Runtime):
             raise
 
     # ------------------------------------------------------------ the loop
-    def watch(self, stop: threading.Event) -> None:
+    def watch(self, stop: SignalFlag) -> None:
         self.step()
 
     def step(self, max_wait: float = 0.02) -> None:

@@ -22,7 +22,7 @@ import zmq
 
 from ipc.receivers import ReceiverTable
 from ipc.rooms import RoomState, RoomTable, TableFull
-from ipc.told import ToldTable
+from ipc.told import ToldTable, incarnation
 from ipc import wire
 from ipc.stats import Histogram, reason_class
 from ipc.wire import Register
@@ -339,7 +339,7 @@ class Reaper:
         heard, and it is told again. One that only moved its status endpoint is the same
         process, and hears nothing twice."""
         reg = self.registrations.get(receiver)
-        return receiver if reg is None else f"{receiver}\0{reg.session}"
+        return receiver if reg is None else incarnation(receiver, reg.session)
 
     def _recorded(self, ok: bool) -> None:
         if not ok:

@@ -53,6 +53,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
     run_state_machine_as_test
 
 from ipc import shm
+from ipc.told import incarnation
 from pipeline.client import Client, Item, unlink_segment
 from pipeline.receiver import Receiver
 from stages import registry
@@ -609,7 +610,7 @@ class PipelineModel(ProtocolModel):
         if not m.sent_before_kill.get("reaper", False):
             return False
         r = self.rx[k]
-        failed, items = self.w.sup.shared.told.recorded(m.room, [r.id, f"{r.id}\0{r.engine.session}"])
+        failed, items = self.w.sup.shared.told.recorded(m.room, [r.id, incarnation(r.id, r.engine.session)])
         return failed or m.items_of(k) - m.success.get(k, set()) <= items
 
     def segment_may_remain(self, name: str) -> bool:
