@@ -497,3 +497,41 @@ def test_intake_hashes_pixels_as_it_reads_them(intake, shm_prefix, monkeypatch):
     assert w2.pixel_hash is None and w2.client_hash == 12345
     for lease in (w.pixels, w2.pixels):
         intake.pixel_arena.drop(lease, 1)
+
+
+def test_intake_closes_every_segment_it_takes(intake, shm_prefix):
+    """A small segment's descriptor is closed before handle() returns; a large one's (its
+    last close frees its pages) by intake's closer thread soon after. None stays open."""
+    import stages.intake as intake_mod
+
+    def open_segments() -> list[str]:
+        found = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if f"{shm_prefix}.px.closed" in target:
+                found.append(target)
+        return found
+
+    leases, sizes = [], []
+    for k, grid in enumerate([(1, 4, 4), (1, 8, 8)]):
+        it = Item("image", *image(30 + k, grid=grid))
+        sizes.append(it.pixels.nbytes)
+        name = f"/{shm_prefix}.px.closed{k}"
+        write_file(shm.SHM_DIR + name, it.pixels.tobytes())
+        msg = segment_msg(40 + k, name)
+        msg["items"][0]["grid_thw"] = [list(grid)]
+        msg["items"][0]["pixels"]["shape"] = list(it.pixels.shape)
+        (w,) = intake.handle(wire.encode(msg)).items
+        leases.append(w.pixels)
+        if k == 0:
+            assert open_segments() == []
+    assert sizes[0] <= intake_mod.CLOSE_INLINE_BYTES < sizes[1]  # one of each way
+    deadline = time.monotonic() + 10
+    while open_segments() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert open_segments() == []
+    for lease in leases:
+        intake.pixel_arena.drop(lease, 1)
