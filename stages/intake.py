@@ -28,9 +28,10 @@ LIVE_RECOUNT_S = 0.05
 READ_PIECE = 512 << 10  # pixels read and hashed at a time: fits a core's L2
 
 
-# A segment at most this large is closed in the handling thread: handing a descriptor
-# to the closer thread costs about 25 us of CPU (a wake-up, the GIL changing hands twice),
-# more than the close of a 75 KB segment (14 us), against 0.7 ms for a 4.8 MB one.
+# A segment its read found at most this large is closed in the handling thread:
+# handing a descriptor to the closer thread costs about 25 us of CPU (a wake-up, the GIL
+# changing hands twice), more than the close of a 75 KB segment (14 us), against 0.7 ms
+# for a 4.8 MB one.
 CLOSE_INLINE_BYTES = 128 << 10
 
 
@@ -44,13 +45,7 @@ class _Closer:
         self.thread: threading.Thread | None = None
         self.pid = 0
 
-    def close(self, fd: int, nbytes: int) -> None:
-        if nbytes <= CLOSE_INLINE_BYTES:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-            return
+    def close(self, fd: int) -> None:
         if self.thread is None or self.pid != os.getpid():  # none yet, or inherited by a fork
             self.pid = os.getpid()
             self.thread = threading.Thread(target=self._run, name="segment-closer", daemon=True)
@@ -227,18 +222,20 @@ class Intake:
 
         segments = self._take_segments(msg)
         hashes = []
+        checked = None  # each segment's size, once every read has found it as the request says
         try:
             for it, lease in zip(req.items, leases):
                 hasher = (None if self.trust_client_hash and it.hash is not None
                           else wire.content_hasher(it.modality, it.grid_thw, it.pixels.dtype))
                 self._read_pixels(it.pixels, segments, lease, hasher)
                 hashes.append(None if hasher is None else hasher.intdigest())
+            checked = {it.pixels.shm: it.pixels.nbytes for it in req.items}
         except ProtocolError as e:
             for lease in leases:
                 self.pixel_arena.drop(lease, OWNER_INTAKE)
             return self._fail_new_room(room, rid, str(e))
         finally:
-            self._close(segments)
+            self._close(segments, checked)
 
         deadline = arrival + req.deadline_ms / 1000.0 if req.deadline_ms else 0.0
         try:
@@ -266,14 +263,19 @@ class Intake:
                             items=items)
 
     @staticmethod
-    def _close(segments: dict) -> None:
-        for fd in segments.values():
-            if isinstance(fd, int):
+    def _close(segments: dict, nbytes: dict | None = None) -> None:
+        """`nbytes`: each segment's size, as its read checked it; a segment whose size is not
+        known so (a request refused, or a read that failed) goes to the closer thread."""
+        for name, fd in segments.items():
+            if not isinstance(fd, int):
+                continue
+            if nbytes is not None and nbytes.get(name, CLOSE_INLINE_BYTES + 1) <= CLOSE_INLINE_BYTES:
                 try:
-                    nbytes = os.fstat(fd).st_size
+                    os.close(fd)
                 except OSError:
-                    nbytes = 0
-                _closer.close(fd, nbytes)
+                    pass
+            else:
+                _closer.close(fd)
 
     def _read_pixels(self, px: wire.PixelsRef, segments: dict, lease: Lease, hasher) -> None:
         """Into the lease, hashed piece by piece as each lands (`hasher`, if given): the
