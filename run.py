@@ -38,7 +38,7 @@ import time
 
 from pipeline.config import (ConfigError, WorkerConfig, add_flags, flags_given, format_config, load_config,
                              setup_logging)
-from pipeline.running import free_port
+from pipeline.background import free_port
 
 MODES = ["pipeline", "inprocess"]
 COMMANDS = ["demo", "serve", "config", "status", "bench"]
@@ -59,7 +59,7 @@ EXIT_CODES = {
 # ---------------------------------------------------------------- serve
 def serve(cfg: WorkerConfig, mode: str) -> int:
     from pipeline.runtime import StartError, serve_until_signalled
-    from pipeline.running import start
+    from pipeline.background import start
 
     def announce(rt) -> None:
         print(f"serving ({mode}): intake {rt.cfg.intake}  bootstrap {rt.cfg.bootstrap}  "
@@ -158,7 +158,7 @@ def _workload(patch_dim: int, merge: int):
 
 def demo(cfg: WorkerConfig, mode: str) -> int:
     from pipeline.client import Client
-    from pipeline.running import Running
+    from pipeline.background import Running
 
     try:
         worker = Running(cfg, mode)

@@ -389,7 +389,7 @@ class Chaos:
     def __init__(self, settings: ChaosSettings, *, shm_prefix: str, run_dir: str, log=print):
         from pipeline.client import Client
         from pipeline.config import WorkerConfig
-        from pipeline.running import Running, free_port
+        from pipeline.background import Running, free_port
 
         self.s = settings
         self.rng = random.Random(settings.seed)
@@ -594,8 +594,8 @@ class Chaos:
     def live_stage_pid(self, name: str) -> int | None:
         from pipeline.boards import Heartbeats
 
-        proc = self.w.sup.procs.get(name)
-        if proc is None or not proc.is_alive() or not self.w.sup.hb.row(name)[Heartbeats.READY]:
+        proc = self.w.runtime.procs.get(name)
+        if proc is None or not proc.is_alive() or not self.w.runtime.hb.row(name)[Heartbeats.READY]:
             return None
         return proc.pid
 
@@ -603,7 +603,7 @@ class Chaos:
         kind = self.rng.choices(["kill_stage", "stop_stage", "kill_receiver", "kill_receiver_before_alloc"],
                                 weights=[6, 1, 2, 1])[0]
         if kind in ("kill_stage", "stop_stage"):
-            name = self.rng.choice(self.w.sup.stages)
+            name = self.rng.choice(self.w.runtime.stages)
             if self.stopped is not None:
                 return
             pid = self.live_stage_pid(name)
@@ -652,12 +652,12 @@ class Chaos:
                 self.signal_stage(second, pid, signal.SIGKILL, "within 50 ms of another")
         elif kind == "kill_starting":
             def starting():
-                proc = self.w.sup.procs.get(first)
+                proc = self.w.runtime.procs.get(first)
                 return proc is not None and proc.pid != pid and proc.is_alive()
             if not self.tick_until(starting, 10.0):
                 self.log(f"the {first} stage was not restarted within 10 s; no kill while it starts")
                 return
-            proc = self.w.sup.procs[first]
+            proc = self.w.runtime.procs[first]
             # anywhere in its start: the interpreter's imports, or its start() picking up its
             # predecessor's state (READY is set only after that)
             self.tick_until(lambda: self.stage_ready(first), self.rng.uniform(0.0, 1.0))
@@ -668,19 +668,19 @@ class Chaos:
     def stage_ready(self, name: str) -> bool:
         from pipeline.boards import Heartbeats
 
-        return bool(self.w.sup.hb.row(name)[Heartbeats.READY])
+        return bool(self.w.runtime.hb.row(name)[Heartbeats.READY])
 
     def held_by(self, name: str) -> int:
         """Rooms whose custody bit for `name` is set in the room table."""
         from stages import registry
 
-        return len(self.w.sup.rooms.held_by(1 << registry.owner_of(name)))
+        return len(self.w.runtime.rooms.held_by(1 << registry.owner_of(name)))
 
     def signal_stage(self, name: str, pid: int, sig, note: str = "") -> None:
         held = self.held_by(name)
         now = time.monotonic()
         if sig == signal.SIGSTOP:
-            before = self.w.sup.restart_counts[name]
+            before = self.w.runtime.restart_counts[name]
             os.kill(pid, signal.SIGSTOP)
             self.stopped = (name, pid, before, now + self.s.heartbeat_timeout_s + 30)
             # the supervisor kills it once its heartbeat is stale: no later than this
@@ -729,7 +729,7 @@ class Chaos:
         now = time.monotonic()
         if self.stopped is not None:
             name, pid, before, deadline = self.stopped
-            if self.w.sup.restart_counts[name] > before:
+            if self.w.runtime.restart_counts[name] > before:
                 self.log(f"stage {name} restarted after SIGSTOP (missed heartbeats)")
                 self.stopped = None
             elif now > deadline:
@@ -745,10 +745,10 @@ class Chaos:
             if slot.state == "dead" and now >= slot.restart_at:
                 self.receiver_restarts += 1
                 self.start_receiver(slot)
-        if self.w.sup.fatal and not self.gave_up:
+        if self.w.runtime.fatal and not self.gave_up:
             self.gave_up = True
-            self.violation(f"the worker gave up: {self.w.sup.fatal}")
-        degraded = self.stopped is not None or bool(self.w.sup.stages_not_ready())
+            self.violation(f"the worker gave up: {self.w.runtime.fatal}")
+        degraded = self.stopped is not None or bool(self.w.runtime.stages_not_ready())
         if degraded and self.degraded_since is None:
             self.degraded_since = now
         elif not degraded and self.degraded_since is not None:
@@ -846,7 +846,7 @@ class Chaos:
 
     def settle(self) -> None:
         """Every stage and receiver up, every room concluded wherever someone alive listens."""
-        self.wait_until(lambda: self.stopped is None and all(self.live_stage_pid(n) for n in self.w.sup.stages),
+        self.wait_until(lambda: self.stopped is None and all(self.live_stage_pid(n) for n in self.w.runtime.stages),
                         120, "every stage to be up")
         self.wait_receivers_up()
         # a room whose statuses went down with a killed reaper (known limit 1) never concludes,
@@ -854,7 +854,7 @@ class Chaos:
         self.wait_until(lambda: all(self.statuses_lost_with_reaper(r) or self.never_seen_allocs_lost(r)
                                     for r in self.unconcluded_rooms()),
                         self.s.settle_timeout_s, "every room to conclude at its receivers")
-        self.wait_until(lambda: self.w.sup.rooms.count_live() == 0, self.s.settle_timeout_s,
+        self.wait_until(lambda: self.w.runtime.rooms.count_live() == 0, self.s.settle_timeout_s,
                         "the worker's live rooms to drop to 0")
 
     def unconcluded_rooms(self) -> list[int]:
@@ -865,8 +865,8 @@ class Chaos:
     def statuses_lost_with_reaper(self, room: int) -> bool:
         """README known limit (1): statuses the reaper sent just before it was killed (or
         stopped, then killed) can be lost with its socket buffers."""
-        slot = self.w.sup.rooms.find(room)
-        e = self.w.sup.rooms.get(slot) if slot is not None else None
+        slot = self.w.runtime.rooms.find(room)
+        e = self.w.runtime.rooms.get(slot) if slot is not None else None
         concluded = e.concluded if e is not None and not e.live else None
         return concluded is not None and (self.reaper_killed_near(concluded)
                                           or self.told_then_reaper_killed(room, e))
@@ -882,7 +882,7 @@ class Chaos:
         rm = self.rooms[room]
         if not any(rm.sent_at <= t <= e.concluded + self.s.reaper_loss_before_s for t in self.reaper_kills):
             return False
-        told = self.w.sup.shared.told
+        told = self.w.runtime.shared.told
         for k, ob in rm.observers.items():
             if not self.alive_observer(k) or ob["failed"] is not None or ob["success"] == ob["items"]:
                 continue
@@ -900,7 +900,7 @@ class Chaos:
 
     def never_seen_allocs_lost(self, room: int) -> bool:
         rm = self.rooms[room]
-        return (self.w.sup.rooms.find(room) is None and self.intake_killed_after(rm.sent_at)
+        return (self.w.runtime.rooms.find(room) is None and self.intake_killed_after(rm.sent_at)
                 and self.sender_killed_after(rm.sent_at))
 
     def sender_killed_after(self, sent_at: float) -> bool:
@@ -921,13 +921,13 @@ class Chaos:
     def worker_verdicts(self) -> dict:
         from ipc.rooms import RoomState
 
-        rooms = self.w.sup.rooms
+        rooms = self.w.runtime.rooms
         out = {}
         for room in self.rooms:
             slot = rooms.find(room)
             e = rooms.get(slot) if slot is not None else None
             out[room] = None if e is None else (e.state, e.reason, e.request_id, e.concluded)
-        live = self.w.sup.live_rooms()
+        live = self.w.runtime.live_rooms()
         if live:
             self.violation(f"{len(live)} rooms still live in the worker after settling: " + ", ".join(
                 f"{e.room} ({e.state.name}, custody bits {e.holders:#x}, items {e.items_done}/{e.items_total})"
@@ -971,7 +971,7 @@ class Chaos:
         self.client.close()
         # Stages alive now: one killed a moment ago (by the chaos, or by the hang killer on a
         # loaded machine) and not restarted yet did not exit at shutdown.
-        procs = {name: p for name, p in self.w.sup.procs.items() if p is not None and p.is_alive()}
+        procs = {name: p for name, p in self.w.runtime.procs.items() if p is not None and p.is_alive()}
         self.w.close()
         self.stage_exit_codes = {name: p.exitcode for name, p in procs.items()}
 

@@ -11,7 +11,7 @@ TCP on loopback into the receiver's memory.
 
 Each mode and scenario gets a fresh worker (its own shm prefix ``bench_...``) in a
 spawned worker process, started as tests/helpers.py's start_worker does: the
-``Worker`` serving in a thread (inprocess, like ``run.py serve``) or the
+``InProcessWorker`` serving in a thread (inprocess, like ``run.py serve``) or the
 ``Supervisor`` and its stage processes (pipeline). The gateway and the prefill
 receiver run together in a spawned *client* process per worker: it publishes the
 pixels, sends the encode messages, allocs each room's item as it announces it,
@@ -254,7 +254,7 @@ def client_main(conn, intake: str, prefix: str, bootstrap: str, spec: dict, grid
 
 # ============================================================ the worker side
 def host_main(conn, mode: str, cfg_kwargs: dict) -> None:
-    """A worker process: the in-process Worker serving in a thread, or the Supervisor and
+    """A worker process: the InProcessWorker serving in a thread, or the Supervisor and
     its stage processes (tests/helpers.py's start_worker); answers the parent's commands."""
     from pipeline.config import WorkerConfig
     from tests.helpers import start_worker
@@ -291,7 +291,7 @@ def cpu_by_process(worker) -> dict:
     out = {}
     me = psutil.Process()
     if worker.mode == "pipeline":
-        for name, proc in worker.sup.procs.items():
+        for name, proc in worker.runtime.procs.items():
             if proc is not None and proc.pid:
                 try:
                     t = psutil.Process(proc.pid).cpu_times()

@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 from ipc import shm  # noqa: E402
 from pipeline.client import Client, Item  # noqa: E402
 from pipeline.config import WorkerConfig  # noqa: E402
-from pipeline.running import Running, free_port  # noqa: E402
+from pipeline.background import Running, free_port  # noqa: E402
 
 HIDDEN, SPAN, DTYPE = 3584, 256, "bfloat16"
 ITEM_BYTES = SPAN * HIDDEN * 2
@@ -138,17 +138,17 @@ def main() -> int:
         for room in range(1, n + 1):
             client.encode(room, f"bench-{room}", [Item("image", [list(GRID)], px)])
         deadline = time.monotonic() + 120
-        while w.worker.rooms.count_live() < n and time.monotonic() < deadline:
+        while w.runtime.rooms.count_live() < n and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.2)  # the register, and every room hashed and ready
         parent.send("go")
         sender_s, failed, violations = parent.recv()
 
         # Raw: the same bytes (the cached lease) to the same regions, sync writes.
-        cache = w.worker.stages["cache"].hc.cache
+        cache = w.runtime.stages["cache"].hc.cache
         lease = cache.lease_of(cache.keys("arena")[0])
-        src = w.worker.shared.emb_arena.address + lease.offset
-        te = w.worker.env.engine._te
+        src = w.runtime.shared.emb_arena.address + lease.offset
+        te = w.runtime.env.engine._te
         w.stop.set()  # the worker loop is idle from here; keep it off the GIL
         w.thread.join(10)
         dsts = [address + regions[k % len(regions)] for k in range(n)]

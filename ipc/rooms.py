@@ -443,7 +443,7 @@ class RoomTable:
         if not self._hdr[_H_INDEX_SEQ] & 1:
             return
         self._idx[:] = 0
-        for slot in np.flatnonzero(self._active_states() != 0).tolist():
+        for slot in np.flatnonzero(self.active_states() != 0).tolist():
             _, f = self._current(slot)
             if f[_STATE] != RoomState.FREE:
                 self._index_add(f[_ROOM], slot)
@@ -457,7 +457,7 @@ class RoomTable:
             if f[_STATE] == RoomState.FREE:  # the column is a hint; the record decides
                 return start, s
         for a in list(range(start, cap, _FREE_CHUNK)) + list(range(0, start, _FREE_CHUNK)):
-            free = self._active_states(a, min(a + _FREE_CHUNK, cap if a >= start else start)) == 0
+            free = self.active_states(a, min(a + _FREE_CHUNK, cap if a >= start else start)) == 0
             while True:
                 i = int(free.argmax())
                 if not free[i]:
@@ -520,10 +520,10 @@ class RoomTable:
 
     def count_live(self) -> int:
         """Rooms not yet concluded (a vectorised count; may be off by one under a concurrent write)."""
-        st = self._active_states()
+        st = self.active_states()
         return int(((st > RoomState.FREE) & (st < RoomState.SUCCESS)).sum())
 
-    def _active_states(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
+    def active_states(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
         """The active copy's state column of slots [lo, hi)."""
         st = self._states[lo:hi]
         return np.where(self._seq[lo:hi] & 1, st[:, 1], st[:, 0])
@@ -674,7 +674,7 @@ class RoomTable:
         if not owners:
             return []
         rooms = np.where(self._seq & 1, self._rooms[:, 1], self._rooms[:, 0])
-        st = self._active_states()
+        st = self.active_states()
         owners = list(owners)
         claimed = ((self._claim_on[:, owners] != 0) & (self._claim_room[:, owners] == rooms[:, None])).any(axis=1)
         wanted = (st > 0) & (st < RoomState.SUCCESS)

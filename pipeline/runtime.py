@@ -1,5 +1,5 @@
 """What both modes do around their stages: start-up checks, the run's shared objects,
-the drain, signals and close. The in-process worker (pipeline/worker.py) and the
+the drain, signals and close. The in-process worker (pipeline/inprocess.py) and the
 supervisor of the stage processes (pipeline/supervisor.py) are the two `Runtime`s.
 """
 from __future__ import annotations

@@ -28,7 +28,7 @@ from pipeline import numa, wiring
 from pipeline.boards import Heartbeats, IntakeJournal, StatsBoard
 from pipeline.metrics import MetricsError, MetricsServer, Snapshot, StageTotals, merge_stats
 from pipeline.runtime import Runtime, SignalFlag, StartError
-from pipeline.stage_host import DUMP_STACKS, stage_process
+from pipeline.stage_process import DUMP_STACKS, stage_process
 from stages import registry
 from stages.records import RoomsLost
 from stages.registry import REQUEST_STAGE

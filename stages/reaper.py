@@ -315,7 +315,7 @@ class Reaper:
     def _live_entries(self) -> list:
         # The table's state column, vectorised: reading every entry would cost the tens of
         # thousands of tombstones (~0.5 s) each time.
-        states = self.rooms._active_states()
+        states = self.rooms.active_states()
         live = np.flatnonzero((states > RoomState.FREE) & (states < RoomState.SUCCESS)).tolist()
         return [e for e in map(self.rooms.get, live) if e is not None and e.live]
 

@@ -12,17 +12,20 @@ every replica.
 from stages.records import (OWNER_CACHE, OWNER_INTAKE, OWNER_REAPER, OWNER_SCHEDULER, OWNER_SENDER,
                             OWNER_TOWER, TowerDown)
 
-TOWER = "tower"
+# The stages' names: route records by these, never by a string written out.
+INTAKE, CACHE, SCHEDULER, TOWER, SENDER, REAPER = "intake", "cache", "scheduler", "tower", "sender", "reaper"
+# Not a stage: the source of the records the supervisor writes (pipeline/wiring.py's edges).
+SUPERVISOR = "supervisor"
 # Replica k > 0 takes owner number OWNER_REAPER + k: the arenas have 16 owner slots
 # (ipc/arena.py's max_owners) and the room table 31 custody bits.
 MAX_TOWER_REPLICAS = 8
-MODULES = {"intake": "stages.intake", "cache": "stages.cache", "scheduler": "stages.scheduler",
-           TOWER: "stages.tower", "sender": "stages.sender", "reaper": "stages.reaper"}
+MODULES = {INTAKE: "stages.intake", CACHE: "stages.cache", SCHEDULER: "stages.scheduler",
+           TOWER: "stages.tower", SENDER: "stages.sender", REAPER: "stages.reaper"}
 # Each stage's arena owner id, which is also its custody bit in the room table.
-OWNERS = {"intake": OWNER_INTAKE, "cache": OWNER_CACHE, "scheduler": OWNER_SCHEDULER,
-          TOWER: OWNER_TOWER, "sender": OWNER_SENDER, "reaper": OWNER_REAPER}
+OWNERS = {INTAKE: OWNER_INTAKE, CACHE: OWNER_CACHE, SCHEDULER: OWNER_SCHEDULER,
+          TOWER: OWNER_TOWER, SENDER: OWNER_SENDER, REAPER: OWNER_REAPER}
 # The stage that takes new work: a drain stops it first.
-REQUEST_STAGE = "intake"
+REQUEST_STAGE = INTAKE
 
 
 def tower_names(replicas: int) -> list[str]:
@@ -31,7 +34,7 @@ def tower_names(replicas: int) -> list[str]:
 
 def stage_names(replicas: int) -> list[str]:
     """In the order a round of the in-process loop visits them."""
-    return ["reaper", "sender", *tower_names(replicas), "scheduler", "cache", "intake"]
+    return [REAPER, SENDER, *tower_names(replicas), SCHEDULER, CACHE, INTAKE]
 
 
 def start_order(replicas: int) -> list[str]:
@@ -69,4 +72,4 @@ def last_words(name: str) -> list[tuple[str, object]]:
     its successor starts: behind everything the dead one pushed, ahead of anything the
     successor will. A tower replica's: the scheduler sends it nothing until it is back."""
     k = replica_of(name)
-    return [] if k is None else [("scheduler", TowerDown(k))]
+    return [] if k is None else [(SCHEDULER, TowerDown(k))]

@@ -9,7 +9,7 @@ import numpy as np
 import xxhash
 
 from pipeline.config import WorkerConfig
-from pipeline.running import Running, free_port  # noqa: F401 (tests import it from here)
+from pipeline.background import Running, free_port  # noqa: F401 (tests import it from here)
 
 PATCH_DIM = 3 * 2 * 14 * 14
 

@@ -140,13 +140,13 @@ class Rig:
         if self.w.mode == "pipeline":
             stats = self.w.stats()
             assert not any(stats["restarts"].values()), stats["restarts"]
-            assert all(p.is_alive() for p in self.w.sup.procs.values())
+            assert all(p.is_alive() for p in self.w.runtime.procs.values())
         else:
             assert self.w.thread.is_alive() and self.w.error is None, self.w.error
 
     def outcome(self, room: int):
         """(state name, reason) of a room in the worker's room table, or None."""
-        rooms = self.w.impl.rooms
+        rooms = self.w.runtime.rooms
         slot = rooms.find(room)
         e = rooms.get(slot) if slot is not None else None
         return None if e is None else (e.state.name, e.reason)

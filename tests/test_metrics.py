@@ -28,7 +28,7 @@ ROW_BYTES = (64 + 32) * 2  # sim_config: hidden 64 + deepstack 32, bfloat16
 
 def scrape(w) -> dict:
     """{(sample name, sorted labels): value} from the worker's endpoint."""
-    url = f"http://127.0.0.1:{w.impl.metrics.port}/metrics"
+    url = f"http://127.0.0.1:{w.runtime.metrics.port}/metrics"
     text = urllib.request.urlopen(url, timeout=30).read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
@@ -183,7 +183,7 @@ def test_a_restarted_stage_moves_no_counter_backwards(started):
     last = before
     # the reaper counts rooms, the cache items
     for n, stage in enumerate(("reaper", "cache")):
-        os.kill(w.sup.procs[stage].pid, signal.SIGKILL)
+        os.kill(w.runtime.procs[stage].pid, signal.SIGKILL)
         end = time.monotonic() + 60
         while value(last, "epd_stage_restarts_total", stage=stage) < 1:
             assert time.monotonic() < end, f"the {stage} stage was not restarted"

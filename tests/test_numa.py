@@ -246,7 +246,7 @@ def test_pipeline_stages_run_on_their_planned_cpus(shm_prefix, tmp_path, monkeyp
     w = PipelineWorker(sim_config(shm_prefix, tmp_path))
     try:
         for stage in STAGES:
-            pid = int(w.sup.hb.row(stage)[Heartbeats.PID])
+            pid = int(w.runtime.hb.row(stage)[Heartbeats.PID])
             got = sorted(psutil.Process(pid).cpu_affinity())
             assert got == (planned[stage] or allowed), stage
     finally:

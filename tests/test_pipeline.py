@@ -83,13 +83,13 @@ class Load:
 
 
 def stage_pid(w, stage: str) -> int:
-    return w.sup.procs[stage].pid
+    return w.runtime.procs[stage].pid
 
 
 def wait_restarted(w, stage: str, times: int = 1, timeout: float = 60.0) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if w.sup.restart_counts[stage] >= times:
+        if w.runtime.restart_counts[stage] >= times:
             return
         time.sleep(0.05)
     raise AssertionError(f"the {stage} stage was not restarted")
@@ -153,7 +153,7 @@ def test_a_hung_stage_is_killed_while_the_supervisor_waits_for_a_lock(pipeline):
     w, client, r = pipeline(heartbeat_timeout_s=1.0)
     load = Load(w, client, r, 2)
     load.send(10)
-    lock = w.sup.shared.pixel_arena._lock  # stands in for a stopped stage holding it
+    lock = w.runtime.shared.pixel_arena._lock  # stands in for a stopped stage holding it
     lock.acquire()
     try:
         os.kill(stage_pid(w, "cache"), signal.SIGKILL)  # its reclaim now waits for the lock
@@ -195,8 +195,8 @@ def crash_loop(shm_prefix, tmp_path, victim: str, n_rooms: int, first_image: int
                 wait_restarted(w, victim, n + 1)
         w.thread.join(60)
         assert w.code == 1
-        assert victim in w.sup.fatal
-        assert not w.sup.live_rooms()
+        assert victim in w.runtime.fatal
+        assert not w.runtime.live_rooms()
         r.wait({room: 1 for room in rooms}, 10)
         assert all(r.concluded(room, 1) for room in rooms)
     finally:
@@ -281,7 +281,7 @@ def test_an_alloc_held_for_an_unseen_room_is_answered_after_the_sender_dies(shm_
         end = time.monotonic() + 30
         while w.stats().get("sender_held_allocs") != 1:
             assert time.monotonic() < end, "the sender never held the alloc"
-        os.kill(w.sup.procs["sender"].pid, signal.SIGKILL)
+        os.kill(w.runtime.procs["sender"].pid, signal.SIGKILL)
         wait_restarted(w, "sender")
         assert r.wait({9001: 1}, 30), "the receiver was never answered"
         assert r.failed[9001] == "unknown room"
@@ -334,8 +334,8 @@ def test_a_sender_killed_while_it_fences_a_failed_room_leaves_no_receiver_waitin
         r.cancel(room)  # the sender fails and fences the room: its write to rx-stopped is in flight
         end = time.monotonic() + 30
         while True:
-            slot = w.sup.rooms.find(room)
-            entry = w.sup.rooms.get(slot) if slot is not None else None
+            slot = w.runtime.rooms.find(room)
+            entry = w.runtime.rooms.get(slot) if slot is not None else None
             if entry is not None and entry.state == RoomState.FAILED:
                 break
             assert time.monotonic() < end, f"the room never failed: {entry}"

@@ -572,7 +572,7 @@ class PipelineModel(ProtocolModel):
         # rx1's rooms never concluded; the model is about what the worker can answer.
         want = {f"rx{k}" for k in range(len(self.rx))}
         end = time.monotonic() + 60
-        while not want <= set(self.w.sup.shared.receivers.load()):
+        while not want <= set(self.w.runtime.shared.receivers.load()):
             assert time.monotonic() < end, "the receivers' registers were never recorded"
             time.sleep(0.02)
 
@@ -584,12 +584,12 @@ class PipelineModel(ProtocolModel):
             if m.unsent() or not all(m.concluded_at(k) for k in m.receivers()) or not m.receivers():
                 m.exposed = True
             m.sent_before_kill[stage] = True
-        before = self.w.sup.restart_counts[stage]
-        note(f"SIGKILL {stage} (pid {self.w.sup.procs[stage].pid})")
-        os.kill(self.w.sup.procs[stage].pid, signal.SIGKILL)
+        before = self.w.runtime.restart_counts[stage]
+        note(f"SIGKILL {stage} (pid {self.w.runtime.procs[stage].pid})")
+        os.kill(self.w.runtime.procs[stage].pid, signal.SIGKILL)
         self.kills.append(stage)
         end = time.monotonic() + 60
-        while self.w.sup.restart_counts[stage] <= before:
+        while self.w.runtime.restart_counts[stage] <= before:
             assert time.monotonic() < end, f"the {stage} stage was not restarted within 60 s"
             self.pump(0.05)
         self.restarted_at = time.monotonic()
@@ -610,7 +610,7 @@ class PipelineModel(ProtocolModel):
         if not m.sent_before_kill.get("reaper", False):
             return False
         r = self.rx[k]
-        failed, items = self.w.sup.shared.told.recorded(m.room, [r.id, incarnation(r.id, r.engine.session)])
+        failed, items = self.w.runtime.shared.told.recorded(m.room, [r.id, incarnation(r.id, r.engine.session)])
         return failed or m.items_of(k) - m.success.get(k, set()) <= items
 
     def segment_may_remain(self, name: str) -> bool:

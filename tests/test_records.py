@@ -12,7 +12,7 @@ import stages.records as records
 from ipc import wire
 from pipeline import wiring
 from pipeline.client import Client, Item
-from pipeline.host import QueueChannel
+from pipeline.loop import QueueChannel
 from pipeline.receiver import Receiver
 from tests.helpers import image, sim_config, start_worker
 

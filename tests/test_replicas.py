@@ -58,10 +58,10 @@ def test_rows_are_bit_exact_and_every_replica_is_used(replicas, n, mode):
     assert all(batches.values()), f"a replica did no batch: {batches}"
     assert w.stats()["tower_batches"] == sum(batches.values())
     if mode == "pipeline":
-        run = status.read_run(w.cfg.shm_prefix, w.sup.run_id, os.getpid())
+        run = status.read_run(w.cfg.shm_prefix, w.runtime.run_id, os.getpid())
         assert [s for s in run["stages"] if s.startswith("tower")] == [f"tower{k}" for k in range(n)]
         assert all(s["alive"] and s["ready"] for s in run["stages"].values())
-        assert set(w.sup.metrics_snapshot().stages) == set(w.sup.stages)
+        assert set(w.runtime.metrics_snapshot().stages) == set(w.runtime.stages)
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -75,7 +75,7 @@ def test_sigkill_of_one_replica_under_a_full_window_fails_only_its_rooms(replica
     load = Load(w, client, r, seed)
     load.send(40, pause=0.0)
     deadline = time.monotonic() + 30
-    while not w.sup.rooms.held_by(1 << registry.owner_of(victim)):
+    while not w.runtime.rooms.held_by(1 << registry.owner_of(victim)):
         assert time.monotonic() < deadline, "the victim never held a room"
         time.sleep(0.002)
     os.kill(stage_pid(w, victim), signal.SIGKILL)
@@ -88,7 +88,7 @@ def test_sigkill_of_one_replica_under_a_full_window_fails_only_its_rooms(replica
     assert all(f"the {victim} stage died" in reason for reason in failed.values()), failed
     after = tower_batches(w)
     assert all(after[k] > v for k, v in before.items()), (before, after)  # the others kept serving
-    assert w.sup.restart_counts == {s: int(s == victim) for s in w.sup.stages}
+    assert w.runtime.restart_counts == {s: int(s == victim) for s in w.runtime.stages}
     load.send(10, pause=0.0)  # the successor takes its share again
     load.settle(120)
     assert tower_batches(w)[victim] > 0

@@ -104,7 +104,7 @@ def test_repeated_images_hit_the_cache_of_the_worker_that_encoded_them(cluster):
     for w in workers:  # each worker encoded exactly the images routed to it
         mine = [k for k, b in first_worker.items() if b == w.cfg.bootstrap]
         assert cache_counts(w) == (0, len(mine))
-        cached = {key[1] for key in w.worker.stages["cache"].hc.cache.keys("arena")}
+        cached = {key[1] for key in w.runtime.stages["cache"].hc.cache.keys("arena")}
         assert cached == {routing_key([images[k]]) for k in mine}  # the worker's own content hash
 
     # the same images again (new arrays, same content): each to the worker that has it cached

@@ -378,7 +378,7 @@ def test_tombstones_bound(env):
     (its id may be used again) and the reaper's and the room table's memory stay bounded,
     also for rooms it only ever heard about from allocs."""
     w, client, rx = env(max_tombstones=5, bootstrap_timeout_s=0.5)
-    reaper, rooms = w.worker.stages["reaper"].reaper, w.worker.rooms
+    reaper, rooms = w.runtime.stages["reaper"].reaper, w.runtime.rooms
     unknown = [next(_rooms) for _ in range(8)]
     for room in unknown:                                  # allocs for rooms never seen
         rx.alloc(room, 0, **SPAN4)

@@ -63,27 +63,27 @@ def test_status_of_a_live_pipeline_worker(shm_prefix, tmp_path, capsys):
         send_rooms(w, shm_prefix, 3)
         objects = shm.list_objects(shm_prefix)
         run = status_until(capsys, shm_prefix, lambda run: run.get("cache", {}).get("arena", {}).get("entries") == 3)
-        assert run["run_id"] == w.sup.run_id and run["mode"] == "pipeline"
+        assert run["run_id"] == w.runtime.run_id and run["mode"] == "pipeline"
         assert run["pid"] == os.getpid()  # the supervisor, running in this process
         assert run["rooms"]["success"] == 3 and run["live_rooms"] == 0
         assert run["rooms"]["failed"] == 0 and run["rooms"]["queued"] == 0
         assert set(run["stages"]) == {"intake", "cache", "scheduler", "tower", "sender", "reaper"}
         for stage, s in run["stages"].items():
-            assert s["pid"] == w.sup.procs[stage].pid and s["alive"] and s["ready"], (stage, s)
+            assert s["pid"] == w.runtime.procs[stage].pid and s["alive"] and s["ready"], (stage, s)
             assert s["queue_depth"] == 0 and s["restarts"] == 0 and s["heartbeat_age_s"] < 30
         assert run["cache"]["arena"]["bytes"] == 3 * 4 * (64 + 32) * 2
         assert run["cache"]["arena"]["budget_bytes"] == w.cfg.arena_cache_bytes
         assert run["cache"]["host"]["entries"] == 0
 
-        os.kill(w.sup.procs["scheduler"].pid, signal.SIGKILL)
+        os.kill(w.runtime.procs["scheduler"].pid, signal.SIGKILL)
         run = status_until(capsys, shm_prefix, lambda run: run["stages"]["scheduler"]["restarts"] == 1
                            and run["stages"]["scheduler"]["ready"])
         assert run["stages"]["scheduler"]["restarts"] == 1
-        assert run["stages"]["scheduler"]["pid"] == w.sup.procs["scheduler"].pid
+        assert run["stages"]["scheduler"]["pid"] == w.runtime.procs["scheduler"].pid
 
         code, text = run_status(capsys, shm_prefix, as_json=False)
         assert code == 0
-        assert f"worker {shm_prefix} (run {w.sup.run_id}, pipeline, pid {os.getpid()})" in text
+        assert f"worker {shm_prefix} (run {w.runtime.run_id}, pipeline, pid {os.getpid()})" in text
         assert "concluded, kept as tombstones: success 3, failed 0" in text
         assert "scheduler" in text and "arena tier" in text
         assert shm.list_objects(shm_prefix) == objects  # created nothing, removed nothing

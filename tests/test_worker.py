@@ -356,7 +356,7 @@ def test_tiny_qwen_rows_arrive_as_the_tower_made_them(env, name):
 
 
 def restarts(w) -> int:
-    return sum(w.sup.restart_counts.values()) if w.sup is not None else 0
+    return sum(w.runtime.restart_counts.values()) if w.mode == "pipeline" else 0
 
 
 def test_an_item_larger_than_the_embedding_arena_fails_at_intake_naming_the_sizes(env):

@@ -1,4 +1,4 @@
-"""Runs one stage in its own process: the round of pipeline/host.py over rings, a
+"""Runs one stage in its own process: the round of pipeline/loop.py over rings, a
 heartbeat, custody in the room table, counters on the stats board."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ipc.ring import Ring
 from pipeline import numa, wiring
 from pipeline.boards import Heartbeats, IntakeJournal, StatsBoard
 from pipeline.config import WorkerConfig, setup_logging
-from pipeline.host import Env, Loop, RingChannel
+from pipeline.loop import Env, Loop, RingChannel
 from pipeline.runtime import SHUTTING_DOWN, SignalFlag
 from stages.base import TableCustody
 from stages import registry

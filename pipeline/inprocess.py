@@ -12,7 +12,7 @@ import logging
 import time
 
 from pipeline import wiring
-from pipeline.host import Env, Loop, QueueChannel
+from pipeline.loop import Env, Loop, QueueChannel
 from pipeline.metrics import MetricsServer, Snapshot, Totals, merge_stats, totals_of
 from pipeline.runtime import Runtime, SignalFlag
 from stages import registry
@@ -20,7 +20,7 @@ from stages import registry
 log = logging.getLogger("epd.worker")
 
 
-class Worker(Runtime):
+class InProcessWorker(Runtime):
     def __init__(self, cfg, tower=None):
         super().__init__(cfg)
         self.stages = {}

@@ -18,7 +18,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def start(cfg: WorkerConfig, mode: str, tower=None):
     """A started runtime of `mode`: the Supervisor with its stage processes ("pipeline"),
-    or the Worker ("inprocess"). `tower` (a built Tower) only for "inprocess"."""
+    or the InProcessWorker ("inprocess"). `tower` (a built Tower) only for "inprocess"."""
     if mode == "pipeline":
         from pipeline.supervisor import Supervisor
 
@@ -32,43 +32,41 @@ def start(cfg: WorkerConfig, mode: str, tower=None):
             raise
         return sup
     if mode == "inprocess":
-        from pipeline.worker import Worker
+        from pipeline.inprocess import InProcessWorker
 
-        return Worker(cfg, tower=tower)
+        return InProcessWorker(cfg, tower=tower)
     raise ValueError(f"mode must be 'pipeline' or 'inprocess', not {mode!r}")
 
 
 class Running:
-    """A started runtime (`start`) serving in a thread: `.sup` in the pipeline, `.worker`
-    in process, `.impl` either."""
+    """A started runtime (`start`) serving in a thread: `.runtime` is the Supervisor in
+    the pipeline, the InProcessWorker in process."""
 
     def __init__(self, cfg: WorkerConfig, mode: str = "pipeline", tower=None):
         self.mode = mode
         self.stop = SignalFlag()
         self.code = None
         self.error = None
-        self.impl = impl = start(cfg, mode, tower)
-        self.sup = impl if mode == "pipeline" else None
-        self.worker = impl if mode == "inprocess" else None
-        self.spec = impl.spec
-        self.cfg = impl.cfg
+        self.runtime = start(cfg, mode, tower)
+        self.spec = self.runtime.spec
+        self.cfg = self.runtime.cfg
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
         try:
-            self.code = self.impl.serve(self.stop)
+            self.code = self.runtime.serve(self.stop)
         except BaseException as e:  # surfaced by close()
             self.error = e
 
     def stats(self) -> dict:
-        return self.impl.stats()
+        return self.runtime.stats()
 
     def close(self) -> None:
         self.stop.set()
         self.thread.join(120)
         try:
-            self.impl.close()
+            self.runtime.close()
         finally:
             if self.error is not None:
                 raise self.error
