@@ -166,7 +166,7 @@ class RingChannel:
             if not recs:
                 continue
             worked = True
-            if stage.one_record_at_a_time:
+            if stage.settle_each_record:
                 for raw in recs:
                     stage.handle(src, pickle.loads(raw))
                     settle(stage, lambda n=len(raw): ring.release(ring.tail + RECORD_HEADER + n))

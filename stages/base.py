@@ -31,6 +31,10 @@ class Custody:
     def forget(self, room: int) -> None:
         pass
 
+    def slot_of(self, room: int) -> int | None:
+        """The room's slot in the room table while this stage holds any of its items."""
+        return None
+
     def flush(self) -> None:
         pass
 
@@ -66,6 +70,9 @@ class TableCustody(Custody):
         if self.count.pop(room, 0):
             self.deferred.append((self.slots.pop(room), room))
 
+    def slot_of(self, room: int) -> int | None:
+        return self.slots.get(room)
+
     def flush(self) -> None:
         """Clear the bits of rooms handed on, once the host has pushed what was emitted:
         until then a death here must still fail them."""
@@ -81,9 +88,9 @@ class Stage:
 
     name = ""
     owner = 0  # its arena owner id, and its custody bit in the room table
-    # Records whose handling cannot be undone (a status sent) are taken from their ring
-    # one at a time, so that a death repeats at most the one in hand.
-    one_record_at_a_time = False
+    # True: the loop settles after each input record (pushes what it emitted, releases the
+    # record from its ring) before it hands over the next. Each stage that sets it says why.
+    settle_each_record = False
 
     def __init__(self, emit: Callable[[str, object], None], custody: Custody | None = None):
         self.emit = emit

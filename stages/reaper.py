@@ -367,7 +367,7 @@ class ReaperStage(Stage):
 
     name = "reaper"
     owner = OWNER_REAPER
-    one_record_at_a_time = True  # a status sent cannot be taken back
+    settle_each_record = True  # a status sent cannot be taken back: a successor repeats at most one record
 
     def __init__(self, emit, *, rooms: RoomTable, told: ToldTable, receivers: ReceiverTable, pusher: StatusPusher,
                  tombstone_ttl_s: float, max_tombstones: int, bootstrap_timeout_s: float,

@@ -35,7 +35,7 @@ class TowerStage(Stage):
     # returns: its rows and credit go out before the next batch in the ring is computed,
     # not after every batch that came together (which held the receivers and the
     # scheduler back by a forward each, and starved the tower of full batches).
-    one_record_at_a_time = True
+    settle_each_record = True
 
     def __init__(self, emit, tower: Tower, *, pixel_arena, emb_arena, rooms, custody=None,
                  name: str = registry.TOWER):
