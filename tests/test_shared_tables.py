@@ -1,4 +1,5 @@
-"""ipc.receivers and ipc.told: state that outlives a stage, whole after a writer killed anywhere."""
+"""ipc.shared_table, the base of every table; ipc.receivers and ipc.told: state that
+outlives a stage, whole after a writer killed anywhere."""
 from __future__ import annotations
 
 import os
@@ -6,11 +7,13 @@ import random
 import signal
 import time
 
+import numpy as np
 import pytest
 
 from ipc import receivers as receivers_mod
 from ipc import shm
 from ipc import told as told_mod
+from ipc.shared_table import SharedTable, lay_out
 from ipc.receivers import ReceiverTable, TableFull
 from ipc.told import ToldTable
 from ipc.wire import MAX_ID_CHARS
@@ -32,6 +35,104 @@ def make(shm_prefix):
     for t in made:
         t.close()
         t.unlink()
+
+
+# -- the base ---------------------------------------------------------------------------
+
+
+class Pairs(SharedTable):
+    """A table for the base's tests: `count` u64 pairs, the second of each formatted to 7."""
+
+    MAGIC = 0x7372_6961_7000_0001
+    KIND = "pair table"
+    GEOMETRY = ("count", "width")
+    fail_format = False
+
+    @classmethod
+    def segment_size(cls, count: int, width: int) -> int:
+        if not 1 <= count <= 1000 or width != 16:
+            raise ValueError(f"pair table count {count} or width {width} out of range")
+        return lay_out([("pairs", width * count)])["total"]
+
+    @classmethod
+    def format(cls, buf, count, width):
+        if cls.fail_format:
+            raise RuntimeError("format failed")
+        at = lay_out([("pairs", width * count)])["pairs"]
+        buf[at:at + width * count] = (bytes(8) + (7).to_bytes(8, "little")) * count
+
+    def __init__(self, seg):
+        super().__init__(seg)
+        at = lay_out([("pairs", self.width * self.count)])["pairs"]
+        self.pairs = np.frombuffer(self.buf.obj, np.uint64, 2 * self.count, at).reshape(self.count, 2)
+        self.words = self.buf[:64].cast("Q")
+
+
+def test_a_table_is_created_attached_and_closed_with_its_geometry(shm_prefix):
+    run_id = shm.new_run_id()
+    t = Pairs.create(shm_prefix, run_id, "pairs", 3, 16)
+    try:
+        assert (t.count, t.width) == (3, 16) and t.pairs[:, 1].tolist() == [7, 7, 7]
+        t.pairs[2, 0] = 5
+        with Pairs.attach(shm_prefix, run_id, "pairs") as other:
+            assert other.pairs[2].tolist() == [5, 7] and repr(other).endswith("count=3, width=16)")
+        assert other.closed and other.pairs is None
+        with pytest.raises(ValueError):
+            other.words[0]  # released: a use after close fails loudly
+        other.close()  # twice is harmless
+        with pytest.raises(ValueError, match="out of range"):
+            Pairs.create(shm_prefix, run_id, "big", 1001, 16)
+        with pytest.raises(TypeError):
+            Pairs.create(shm_prefix, run_id, "short", 3)
+        Pairs.fail_format = True
+        try:
+            with pytest.raises(RuntimeError, match="format failed"):
+                Pairs.create(shm_prefix, run_id, "failed", 3, 16)  # unlinked again: the fixture checks
+        finally:
+            Pairs.fail_format = False
+    finally:
+        t.close()
+        t.unlink()
+    with pytest.raises(shm.ShmError, match="does not exist"):
+        Pairs.attach(shm_prefix, run_id, "pairs")
+
+
+def test_attach_refuses_what_is_not_a_whole_table_of_its_kind(shm_prefix):
+    run_id = shm.new_run_id()
+    t = Pairs.create(shm_prefix, run_id, "pairs", 3, 16)
+    name = t.segment.name
+    try:
+        magic = t.words[0]
+        t.words[0] = 0  # as if its creator died before the magic: half-made
+        with pytest.raises(shm.ShmError, match="not an initialised pair table .bad magic"):
+            Pairs.attach(shm_prefix, run_id, "pairs")
+        t.words[0] = magic
+        t.words[1] = 4  # a count its size does not fit
+        with pytest.raises(shm.ShmError, match="geometry .*disagree"):
+            Pairs.attach(shm_prefix, run_id, "pairs")
+        t.words[1] = 3
+        told = ToldTable.create(shm_prefix, run_id, "told", 4, 8)
+        try:
+            with pytest.raises(shm.ShmError, match="not an initialised told table"):
+                ToldTable.attach(shm_prefix, run_id, "pairs")  # another kind
+            with pytest.raises(shm.ShmError, match="not an initialised pair table"):
+                Pairs.attach(shm_prefix, run_id, "told")
+        finally:
+            told.close()
+            told.unlink()
+        small = shm.Segment.create(shm.object_name(shm_prefix, run_id, "small"), 16)
+        try:
+            with pytest.raises(shm.ShmError, match="too small"):
+                Pairs.attach(shm_prefix, run_id, "small")
+        finally:
+            small.close()
+            small.unlink()
+        with Pairs.attach(shm_prefix, run_id, "pairs") as whole:
+            assert whole.count == 3
+    finally:
+        t.close()
+        t.unlink()
+    assert name not in shm.list_objects(shm_prefix)
 
 
 # -- receivers -------------------------------------------------------------------------
