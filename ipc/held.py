@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import struct
 from dataclasses import fields
-from operator import attrgetter, index as _index
+from operator import attrgetter
 
 import msgpack
 import numpy as np
 
 from . import shm
+from .shared_table import SharedTable, lay_out
 from .wire import MAX_ID_CHARS, Alloc
 
 __all__ = ["HeldAllocs"]
@@ -30,53 +31,31 @@ __all__ = ["HeldAllocs"]
 BODY = 4 * MAX_ID_CHARS + 144  # an alloc: a receiver id of MAX_ID_CHARS in UTF-8, a dozen numbers, its session's hash
 _HEAD = struct.Struct("<dH")  # held since (time.monotonic()), body length
 _SLOT = _HEAD.size + BODY
-_HDR = 64
-_MAGIC = 0x646C_6568_0000_0002  # "held", layout 2
 _values = attrgetter(*(f.name for f in fields(Alloc)))  # dataclasses.astuple deep-copies each value: 20x slower
 
 
-def _layout(capacity: int) -> tuple[int, int]:
-    """(offset of the slots, total size): header, generations u64[capacity], slots."""
-    slots = (_HDR + 8 * capacity + 63) // 64 * 64
-    return slots, slots + _SLOT * capacity
+def _layout(capacity: int) -> dict[str, int]:
+    """Header, generations u64[capacity], slots."""
+    return lay_out((("gens", 8 * capacity), ("slots", _SLOT * capacity)))
 
 
-class HeldAllocs:
+class HeldAllocs(SharedTable):
+    MAGIC = 0x646C_6568_0000_0003  # "held", layout 3
+    KIND = "held-alloc table"
+
     @classmethod
-    def create(cls, prefix: str, run_id: str, what: str, capacity: int) -> "HeldAllocs":
-        capacity = _index(capacity)
+    def segment_size(cls, capacity: int) -> int:
         if capacity < 1:
             raise ValueError(f"held-alloc table capacity {capacity} must be >= 1")
-        seg = shm.Segment.create(shm.object_name(prefix, run_id, what), cls.size_of(capacity))
-        hdr = seg.buf[:_HDR].cast("Q")
-        hdr[1] = capacity
-        hdr[0] = _MAGIC  # last: attach refuses a half-made table
-        hdr.release()
-        return cls(seg)
+        return _layout(capacity)["total"]
 
-    @classmethod
-    def attach(cls, prefix: str, run_id: str, what: str) -> "HeldAllocs":
-        seg = shm.Segment.attach(shm.object_name(prefix, run_id, what))
-        try:
-            return cls(seg)
-        except BaseException:
-            seg.close()
-            raise
-
-    @staticmethod
-    def size_of(capacity: int) -> int:
-        return _layout(capacity)[1]
+    size_of = segment_size  # the name the start-up check calls
 
     def __init__(self, seg: shm.Segment):
-        hdr = seg.buf[:_HDR].cast("Q")
-        magic, capacity = hdr[0], hdr[1]
-        hdr.release()
-        if magic != _MAGIC or seg.size < _layout(capacity)[1]:
-            raise shm.ShmError(f"{seg.name!r} is not an initialised held-alloc table")
-        self._seg = seg
-        self.capacity = capacity
-        self._slots0 = _layout(capacity)[0]
-        self._gens = np.frombuffer(seg.buf.obj, np.uint64, capacity, _HDR)
+        super().__init__(seg)
+        lay = _layout(self.capacity)
+        self._slots0 = lay["slots"]
+        self._gens = np.frombuffer(seg.buf.obj, np.uint64, self.capacity, lay["gens"])
         self._free: list[int] | None = None  # the writer's, built by load()
         self._next_gen = 1
 
@@ -85,10 +64,10 @@ class HeldAllocs:
         out = []
         for slot in np.flatnonzero(self._gens).tolist():
             at = self._slots0 + slot * _SLOT
-            since, n = _HEAD.unpack_from(self._seg.buf, at)
+            since, n = _HEAD.unpack_from(self.buf, at)
             try:
-                out.append((slot, since, Alloc(*msgpack.unpackb(bytes(self._seg.buf[at + _HEAD.size:
-                                                                                     at + _HEAD.size + n])))))
+                body = bytes(self.buf[at + _HEAD.size:at + _HEAD.size + n])
+                out.append((slot, since, Alloc(*msgpack.unpackb(body))))
             except Exception:  # not ours to answer if it cannot be read: free it
                 self._gens[slot] = 0
         used = {slot for slot, _, _ in out}
@@ -105,8 +84,8 @@ class HeldAllocs:
         body = msgpack.packb(_values(alloc))
         slot = self._free.pop()
         at = self._slots0 + slot * _SLOT
-        _HEAD.pack_into(self._seg.buf, at, since, len(body))
-        self._seg.buf[at + _HEAD.size:at + _HEAD.size + len(body)] = body
+        _HEAD.pack_into(self.buf, at, since, len(body))
+        self.buf[at + _HEAD.size:at + _HEAD.size + len(body)] = body
         self._gens[slot] = self._next_gen  # one aligned store publishes it
         self._next_gen += 1
         return slot
@@ -117,10 +96,3 @@ class HeldAllocs:
 
     def __len__(self) -> int:
         return int(np.count_nonzero(self._gens))
-
-    def close(self) -> None:
-        self._gens = None
-        self._seg.close()
-
-    def unlink(self) -> None:
-        self._seg.unlink()

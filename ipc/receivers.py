@@ -13,9 +13,15 @@ of the registration it replaces (a receiver registering again) freed. So:
 * a writer killed at any instruction leaves every published slot whole: the slot it
   was writing is still free (invisible), or published with the old one not yet
   freed, and readers take the higher generation of the two;
-* a reader reads a slot's generation, its body, and the generation again: equal
-  means nobody wrote the body meanwhile (a slot is written only while free, and a
-  slot freed and reused comes back with a new generation).
+* a reader reads a slot's generation, its row, and the generation again: equal
+  means nobody wrote the row meanwhile (a slot is written only while free, and a
+  slot freed and reused comes back with a new generation). On a CPU that may show
+  another core's stores out of order (ARM, POWER) that is not enough: a reader could
+  see a new generation before the body it publishes, or part of a reused slot's new
+  body under its old generation. So each row begins with a crc32 over its
+  generation and body, written with the body before the generation is published,
+  and a reader takes a row only when the checksum agrees, re-reading it otherwise;
+  a row that never agrees is damage, skipped (and the writer frees it).
 
 Bounded: ``MAX_RECEIVERS`` registrations, plus the one spare slot a replacement is
 written into before its predecessor is freed.
@@ -23,21 +29,20 @@ written into before its predecessor is freed.
 from __future__ import annotations
 
 import struct
-from operator import index as _index
+import zlib
 
 import numpy as np
 
 from . import shm
+from .shared_table import SharedTable, lay_out
 from .wire import MAX_ID_CHARS
 
-__all__ = ["MAX_RECEIVERS", "ReceiverTable", "TableFull"]
+__all__ = ["MAX_RECEIVERS", "ReceiverTable", "TableFull", "registration_row"]
 
 MAX_RECEIVERS = 4096  # prefill ranks one worker serves: a deployment has far fewer
 _FIELD = 4 * MAX_ID_CHARS  # UTF-8 bytes of a field at most
-_BODY = struct.Struct(f"<HHH{_FIELD}s{_FIELD}s{_FIELD}s")
-_SLOT = (_BODY.size + 63) // 64 * 64
-_HDR = 64
-_MAGIC = 0x7278_6365_7200_0001  # "recvr", layout 1
+_ROW = struct.Struct(f"<IHHH{_FIELD}s{_FIELD}s{_FIELD}s")  # crc32, lengths, receiver, session, status
+_SLOT = (_ROW.size + 63) // 64 * 64
 _READ_SPINS = 64
 
 # Test hook: called with a point name inside a write (tests SIGKILL the process there).
@@ -48,58 +53,46 @@ class TableFull(RuntimeError):
     """Every slot holds a registration."""
 
 
-def _layout(capacity: int) -> tuple[int, int]:
-    """(offset of the slots, total size): header, generations u64[cap], slots."""
-    slots = (_HDR + 8 * capacity + 63) // 64 * 64
-    return slots, slots + _SLOT * capacity
+def _layout(capacity: int) -> dict[str, int]:
+    """Header, generations u64[capacity], slots."""
+    return lay_out((("gens", 8 * capacity), ("slots", _SLOT * capacity)))
 
 
-class ReceiverTable:
+def _crc(gen: int, body) -> int:
+    return zlib.crc32(body, zlib.crc32(gen.to_bytes(8, "little")))
+
+
+def registration_row(gen: int, receiver: str, session: str, status: str) -> bytes:
+    """The row that registers ``receiver`` under generation ``gen``: checksum first."""
+    fields = [s.encode() for s in (receiver, session, status)]
+    if any(len(f) > _FIELD for f in fields):
+        raise ValueError(f"a registration field is longer than {MAX_ID_CHARS} characters")
+    body = _ROW.pack(0, *(len(f) for f in fields), *fields)[4:]
+    return _crc(gen, body).to_bytes(4, "little") + body
+
+
+class ReceiverTable(SharedTable):
+    MAGIC = 0x7278_6365_7200_0002  # "recvr", layout 2
+    KIND = "receiver table"
+
     @classmethod
     def create(cls, prefix: str, run_id: str, what: str, capacity: int = MAX_RECEIVERS + 1) -> "ReceiverTable":
-        capacity = _index(capacity)
-        if not 2 <= capacity <= 2**16:
-            raise ValueError(f"receiver table capacity {capacity} must be 2..65536")
-        _, total = _layout(capacity)
-        seg = shm.Segment.create(shm.object_name(prefix, run_id, what), total)
-        try:
-            hdr = seg.buf[:_HDR].cast("Q")
-            hdr[1], hdr[2] = capacity, total
-            hdr[0] = _MAGIC  # last: attach refuses a half-made table
-            hdr.release()
-            return cls(seg)
-        except BaseException:
-            seg.close()
-            seg.unlink()
-            raise
+        return super().create(prefix, run_id, what, capacity)
 
     @classmethod
-    def attach(cls, prefix: str, run_id: str, what: str, readonly: bool = False) -> "ReceiverTable":
-        seg = shm.Segment.attach(shm.object_name(prefix, run_id, what), readonly=readonly)
-        try:
-            return cls(seg)
-        except BaseException:
-            seg.close()
-            raise
+    def segment_size(cls, capacity: int = MAX_RECEIVERS + 1) -> int:
+        if not 2 <= capacity <= 2**16:
+            raise ValueError(f"receiver table capacity {capacity} must be 2..65536")
+        return _layout(capacity)["total"]
 
-    @staticmethod
-    def size_of(capacity: int = MAX_RECEIVERS + 1) -> int:
-        return _layout(capacity)[1]
+    size_of = segment_size  # the name the start-up check calls
 
     def __init__(self, seg: shm.Segment):
-        self._seg = seg
-        hdr = seg.buf[:_HDR].cast("Q") if seg.size >= _HDR else None
-        ok = hdr is not None and hdr[0] == _MAGIC and 2 <= hdr[1] <= 2**16 and hdr[2] == _layout(hdr[1])[1]
-        capacity = hdr[1] if ok else 0
-        if hdr is not None:
-            hdr.release()
-        if not ok or seg.size < _layout(capacity)[1]:
-            raise shm.ShmError(f"{seg.name!r} is not an initialised receiver table (bad magic or layout)")
-        self.capacity = capacity
-        self._slots0 = _layout(capacity)[0]
-        self._mv = seg.buf
-        self._genv = seg.buf[_HDR:_HDR + 8 * capacity].cast("Q")
-        self._gens = np.frombuffer(seg.buf.obj, np.uint64, capacity, _HDR)
+        super().__init__(seg)
+        lay = _layout(self.capacity)
+        self._slots0 = lay["slots"]
+        self._genv = seg.buf[lay["gens"]:lay["gens"] + 8 * self.capacity].cast("Q")
+        self._gens = np.frombuffer(seg.buf.obj, np.uint64, self.capacity, lay["gens"])
         # The writer's view, built by load(): receiver -> slot, and slots to free.
         self._slot_of: dict[str, int] | None = None
         self._stale: list[int] = []
@@ -107,12 +100,15 @@ class ReceiverTable:
 
     def load(self) -> dict[str, tuple[str, str]]:
         """Every registration: receiver -> (session, status endpoint). A writer calls it
-        first: it frees what a predecessor killed mid-replacement left twice."""
+        first: it frees what a predecessor killed mid-replacement left twice, and rows
+        whose checksum does not agree."""
         newest: dict[str, tuple[int, int, tuple[str, str]]] = {}
         stale = []
         for slot in np.flatnonzero(self._gens.copy()).tolist():  # a copy: the writer may change it meanwhile
             got = self._read(slot)
             if got is None:
+                if self._genv[slot]:  # published, and its checksum never agreed: damage
+                    stale.append(slot)
                 continue
             gen, receiver, reg = got
             old = newest.get(receiver)
@@ -134,29 +130,27 @@ class ReceiverTable:
             gen = self._genv[slot]
             if not gen:
                 return None
-            raw = self._mv[off:off + _BODY.size].tobytes()
-            if self._genv[slot] == gen:
-                n_rx, n_sess, n_st, rx, sess, st = _BODY.unpack(raw)
+            raw = self.buf[off:off + _ROW.size].tobytes()
+            if self._genv[slot] == gen and _crc(gen, memoryview(raw)[4:]) == int.from_bytes(raw[:4], "little"):
+                _, n_rx, n_sess, n_st, rx, sess, st = _ROW.unpack(raw)
                 return gen, rx[:n_rx].decode(), (sess[:n_sess].decode(), st[:n_st].decode())
-        return None  # the writer kept reusing it under us: gone, as far as this read knows
+        return None  # reused under us again and again, or damaged: not there, as far as this read knows
 
     def put(self, receiver: str, session: str, status: str) -> None:
         """Record (or replace) a registration; TableFull when no slot is free. Writer only."""
         if self._slot_of is None:
             self.load()
-        fields = [s.encode() for s in (receiver, session, status)]
-        if any(len(f) > _FIELD for f in fields):
-            raise ValueError(f"a registration field is longer than {MAX_ID_CHARS} characters")
+        new = registration_row(self._next_gen, receiver, session, status)
         old = self._slot_of.get(receiver)
         for slot in self._stale:
             self._genv[slot] = 0
         self._stale = []
         free = np.flatnonzero(self._gens == 0)
         if not free.size:
-            raise TableFull(f"receiver table {self._seg.name!r} is full: {self.capacity} slots")
+            raise TableFull(f"receiver table {self.segment.name!r} is full: {self.capacity} slots")
         slot = int(free[0])
         off = self._slots0 + slot * _SLOT
-        self._mv[off:off + _BODY.size] = _BODY.pack(*(len(f) for f in fields), *fields)
+        self.buf[off:off + _ROW.size] = new
         if _fault_hook is not None:
             _fault_hook("receivers.body")
         self._genv[slot] = self._next_gen  # publish: one aligned 8-byte store
@@ -166,16 +160,3 @@ class ReceiverTable:
         if old is not None:
             self._genv[old] = 0
         self._slot_of[receiver] = slot
-
-    def close(self) -> None:
-        if self._mv is None:
-            return
-        self._genv.release()
-        self._gens = self._genv = self._mv = None
-        self._seg.close()
-
-    def unlink(self) -> None:
-        self._seg.unlink()
-
-    def __repr__(self) -> str:
-        return f"ReceiverTable({self._seg.name!r}, capacity={self.capacity})"

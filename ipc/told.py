@@ -21,18 +21,15 @@ goes out, unrecorded (the caller counts it).
 """
 from __future__ import annotations
 
-from operator import index as _index
-
 import numpy as np
 import xxhash
 
 from . import shm
+from .shared_table import SharedTable, lay_out
 
 __all__ = ["ToldTable", "receiver_hash"]
 
 _USED, _FAILED = 1, 2
-_HDR = 64
-_MAGIC = 0x646C_6F74_0000_0001  # "told", layout 1
 
 # Test hook: called with a point name inside a write (tests SIGKILL the process there).
 _fault_hook = None
@@ -50,65 +47,33 @@ def receiver_hash(receiver: str) -> int:
 
 def _layout(capacity: int, max_items: int) -> dict[str, int]:
     """Columns: room u64, receiver hash u64, first told f64, flags u8, item bits u8[items/8]."""
-    off, pos = {}, _HDR
-    for name, nbytes in (("room", 8 * capacity), ("rx", 8 * capacity), ("at", 8 * capacity),
-                         ("flags", capacity), ("items", capacity * ((max_items + 7) // 8))):
-        pos = (pos + 63) // 64 * 64
-        off[name] = pos
-        pos += nbytes
-    off["total"] = pos
-    return off
+    return lay_out((("room", 8 * capacity), ("rx", 8 * capacity), ("at", 8 * capacity),
+                    ("flags", capacity), ("items", capacity * ((max_items + 7) // 8))))
 
 
-class ToldTable:
+class ToldTable(SharedTable):
+    MAGIC = 0x646C_6F74_0000_0001  # "told", layout 1
+    KIND = "told table"
+    GEOMETRY = ("capacity", "max_items")
+
     @classmethod
-    def create(cls, prefix: str, run_id: str, what: str, capacity: int, max_items: int) -> "ToldTable":
-        capacity, max_items = _index(capacity), _index(max_items)
+    def segment_size(cls, capacity: int, max_items: int) -> int:
         if not 1 <= capacity <= 2**28 or not 1 <= max_items <= 2**20:
             raise ValueError(f"told table capacity {capacity} or max_items {max_items} out of range")
-        lay = _layout(capacity, max_items)
-        seg = shm.Segment.create(shm.object_name(prefix, run_id, what), lay["total"])
-        try:
-            hdr = seg.buf[:_HDR].cast("Q")
-            hdr[1], hdr[2], hdr[3] = capacity, max_items, lay["total"]
-            hdr[0] = _MAGIC  # last: attach refuses a half-made table
-            hdr.release()
-            return cls(seg)
-        except BaseException:
-            seg.close()
-            seg.unlink()
-            raise
-
-    @classmethod
-    def attach(cls, prefix: str, run_id: str, what: str) -> "ToldTable":
-        seg = shm.Segment.attach(shm.object_name(prefix, run_id, what))
-        try:
-            return cls(seg)
-        except BaseException:
-            seg.close()
-            raise
-
-    @staticmethod
-    def size_of(capacity: int, max_items: int) -> int:
         return _layout(capacity, max_items)["total"]
 
+    size_of = segment_size  # the name the start-up check calls
+
     def __init__(self, seg: shm.Segment):
-        self._seg = seg
-        hdr = seg.buf[:_HDR].cast("Q") if seg.size >= _HDR else None
-        magic, capacity, max_items, total = (hdr[0], hdr[1], hdr[2], hdr[3]) if hdr is not None else (0,) * 4
-        if hdr is not None:
-            hdr.release()
-        if (magic != _MAGIC or not 1 <= capacity <= 2**28 or not 1 <= max_items <= 2**20
-                or total != _layout(capacity, max_items)["total"] or seg.size < total):
-            raise shm.ShmError(f"{seg.name!r} is not an initialised told table (bad magic or layout)")
-        self.capacity, self.max_items = capacity, max_items
-        lay = _layout(capacity, max_items)
+        super().__init__(seg)
+        capacity = self.capacity
+        lay = _layout(capacity, self.max_items)
         mm = seg.buf.obj
         self._room = np.frombuffer(mm, np.uint64, capacity, lay["room"])
         self._rx = np.frombuffer(mm, np.uint64, capacity, lay["rx"])
         self._at = np.frombuffer(mm, np.float64, capacity, lay["at"])
         self._flags = np.frombuffer(mm, np.uint8, capacity, lay["flags"])
-        self._items = np.frombuffer(mm, np.uint8, capacity * ((max_items + 7) // 8),
+        self._items = np.frombuffer(mm, np.uint8, capacity * ((self.max_items + 7) // 8),
                                     lay["items"]).reshape(capacity, -1)
         self._index: dict[int, dict[int, int]] | None = None  # room -> receiver hash -> entry
         self._free: list[int] = []
@@ -202,15 +167,3 @@ class ToldTable:
 
     def used(self) -> int:
         return int(np.count_nonzero(self._flags))
-
-    def close(self) -> None:
-        if self._flags is None:
-            return
-        self._room = self._rx = self._at = self._flags = self._items = None
-        self._seg.close()
-
-    def unlink(self) -> None:
-        self._seg.unlink()
-
-    def __repr__(self) -> str:
-        return f"ToldTable({self._seg.name!r}, capacity={self.capacity})"

@@ -14,7 +14,7 @@ from ipc import receivers as receivers_mod
 from ipc import shm
 from ipc import told as told_mod
 from ipc.shared_table import SharedTable, lay_out
-from ipc.receivers import ReceiverTable, TableFull
+from ipc.receivers import ReceiverTable, TableFull, registration_row
 from ipc.told import ToldTable
 from ipc.wire import MAX_ID_CHARS
 from tests.helpers import fork_call, wait_child
@@ -176,6 +176,56 @@ def test_a_writer_killed_between_publishing_and_freeing_leaves_the_newer_registr
         assert successor.load() == {"rx": ("new:1", "tcp://new:1"), "rx-2": ("b:1", "tcp://b:1")}
     finally:
         successor.close()
+
+
+def test_a_torn_row_is_never_read_as_a_registration(make, shm_prefix):
+    """What a weakly ordered CPU may show a reader of a slot being reused: the new
+    generation before the body it publishes, or part of the new body under the old
+    generation. Neither is read as a registration; the row once whole is."""
+    t = make(ReceiverTable, 4)
+    t.put("rx", "old:1", "tcp://old:1")
+    reader = ReceiverTable.attach(shm_prefix, t.run_id, "t", readonly=True)
+    try:
+        slot = t._slot_of["rx"]
+        gen = int(t._genv[slot])
+        at = t._slots0 + slot * receivers_mod._SLOT
+        new = registration_row(gen + 1, "rx", "new:2", "tcp://new:2")
+        t._genv[slot] = gen + 1  # the new generation, over the old row
+        assert reader.load() == {}
+        t._genv[slot] = gen
+        half = 10 + 4 * MAX_ID_CHARS + 2  # into the session field
+        t.buf[at + 4:at + half] = new[4:half]  # part of the new body, under the old generation
+        assert reader.load() == {}
+        t.buf[at:at + len(new)] = new  # the rest, then the generation: whole
+        t._genv[slot] = gen + 1
+        assert reader.load() == {"rx": ("new:2", "tcp://new:2")}
+        t.buf[at + 100] ^= 1  # damage: skipped by any reader, freed by the writer
+        assert reader.load() == {}
+        assert t.load() == {}
+        t.put("rx-2", "b:1", "tcp://b:1")
+        assert t.load() == {"rx-2": ("b:1", "tcp://b:1")} and np.count_nonzero(t._gens) == 1, "freed"
+    finally:
+        reader.close()
+
+
+def test_a_reader_racing_the_writer_sees_each_registration_old_or_new(make, shm_prefix):
+    """A reader that reads at every point inside a write (the writer paused there)
+    sees the registrations before it or after it, never a mix."""
+    t = make(ReceiverTable, 3)
+    reader = ReceiverTable.attach(shm_prefix, t.run_id, "t", readonly=True)
+    seen = []
+    receivers_mod._fault_hook = lambda point: seen.append((point, reader.load()))
+    try:
+        t.put("rx", "a:1", "tcp://a:1")
+        t.put("rx", "b:2", "tcp://b:2")
+        t.put("ry", "c:3", "tcp://c:3")
+    finally:
+        receivers_mod._fault_hook = None
+        reader.close()
+    a, b = {"rx": ("a:1", "tcp://a:1")}, {"rx": ("b:2", "tcp://b:2")}
+    assert seen == [("receivers.body", {}), ("receivers.published", a),
+                    ("receivers.body", a), ("receivers.published", b),
+                    ("receivers.body", b), ("receivers.published", {**b, "ry": ("c:3", "tcp://c:3")})]
 
 
 def _registration_ops(seed: int, n: int):
