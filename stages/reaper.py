@@ -7,8 +7,11 @@ receiver's buffers is in flight or can start). What it tells is recorded in shar
 memory (ipc/told.py) before it is sent, so a successor never tells it again; the
 registrations it sends to come from shared memory too (ipc/receivers.py).
 
-Its watchdog fails any room still live past its bound (`Reaper.bound_of`), whatever
-record was lost on the way: every room concludes.
+Its watchdog fails any room still live past its bound (`ReaperStage.bound_of`),
+whatever record was lost on the way: every room concludes.
+
+It takes no custody: what it holds of a room is in the room and told tables, which
+outlive it.
 """
 from __future__ import annotations
 
@@ -18,7 +21,6 @@ import time
 from collections import Counter, OrderedDict
 
 import numpy as np
-import zmq
 
 from ipc.receivers import ReceiverTable
 from ipc.rooms import RoomState, RoomTable, TableFull
@@ -26,10 +28,12 @@ from ipc.told import ToldTable, incarnation
 from ipc import wire
 from ipc.stats import Histogram, reason_class
 from ipc.wire import Register
+from stages import registry
 from stages.base import Stage
 from stages.records import (OWNER_REAPER, AllocSeen, Fence, Fenced, ItemDone, LateAlloc, Registered,
                             RoomAbandoned, RoomFailure, RoomOpened, RoomsLost, RoomSucceeded, ShardWritten,
                             UnknownRoom)
+from stages.status_pusher import StatusPusher
 
 log = logging.getLogger("epd.reaper")
 
@@ -42,90 +46,29 @@ WATCHDOG = "room watchdog:"
 AUDIENCE_UNKNOWN = ("the sender stage died", WATCHDOG)
 
 
-class StatusPusher:
-    """One PUSH socket per receiver's status endpoint; never blocks the reaper."""
+class ReaperStage(Stage):
+    """The sender's records, opened and failed rooms, and the supervisor's news in; orders
+    to the sender (Fence, RoomSucceeded), the cache and the scheduler (RoomAbandoned) out."""
 
-    def __init__(self, ctx: zmq.Context, hwm: int = 10000):
-        self.ctx = ctx
-        self.hwm = hwm
-        self.endpoints: dict[str, str] = {}
-        self.sockets: dict[str, zmq.Socket] = {}
-        self.waiting: dict[str, list[bytes]] = {}  # for receivers not (yet) known here
-        self.undelivered = 0
+    name = registry.REAPER
+    owner = OWNER_REAPER
+    settle_each_record = True  # a status sent cannot be taken back: a successor repeats at most one record
 
-    def register(self, receiver: str, endpoint: str) -> None:
-        if self.endpoints.get(receiver) == endpoint:
-            return
-        old = self.sockets.pop(receiver, None)
-        if old is not None:
-            # With its LINGER, not 0: statuses already sent there, still queued while the
-            # connection comes up, go out yet. Closing it at once dropped them, and a
-            # receiver that moved its status endpoint just after a status never heard it.
-            old.close()
-        sock = self.ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.SNDHWM, self.hwm)
-        sock.setsockopt(zmq.LINGER, 1000)
-        sock.setsockopt(zmq.IMMEDIATE, 0)
-        try:
-            sock.connect(endpoint)
-        except zmq.ZMQError as e:  # the sender checks endpoints; this one still got past it
-            sock.close(linger=0)
-            log.warning("receiver %r registered status endpoint %r, which cannot be connected to: %s",
-                        receiver, endpoint, e)
-            return
-        self.endpoints[receiver] = endpoint
-        self.sockets[receiver] = sock
-        for frame in self.waiting.pop(receiver, []):
-            self.send(receiver, frame)
-
-    def send(self, receiver: str, frame: bytes) -> None:
-        sock = self.sockets.get(receiver)
-        if sock is None:
-            # A restarted reaper learns the endpoints from the sender a moment later.
-            held = self.waiting.setdefault(receiver, [])
-            if len(held) < self.hwm:
-                held.append(frame)
-            else:
-                self.undelivered += 1
-                self._log_undelivered(receiver)
-            return
-        try:
-            sock.send(frame, zmq.NOBLOCK)
-        except zmq.Again:
-            self.undelivered += 1
-            self._log_undelivered(receiver)
-
-    def _log_undelivered(self, receiver: str) -> None:
-        if self.undelivered & (self.undelivered - 1) == 0:  # the 1st, 2nd, 4th, 8th...: not one per status
-            log.warning("dropped a status for receiver %s: its queue is full (status_hwm %d); "
-                        "%d statuses dropped so far", receiver, self.hwm, self.undelivered)
-
-    def close(self) -> None:
-        for sock in self.sockets.values():
-            sock.close()
-        self.sockets.clear()
-
-
-class Reaper:
-    def __init__(self, *, rooms: RoomTable, told: ToldTable, pusher: StatusPusher, fence, forget, abandon,
+    def __init__(self, emit, *, rooms: RoomTable, told: ToldTable, receivers: ReceiverTable, pusher: StatusPusher,
                  tombstone_ttl_s: float, max_tombstones: int, bootstrap_timeout_s: float,
-                 heartbeat_timeout_s: float):
-        """`fence(room)` asks the sender to stop the room (it answers with a `fenced`
-        event); `forget(room)` tells it the room succeeded; `abandon(room)` tells the
-        stages that hold items waiting (cache, scheduler) to drop the room's."""
+                 heartbeat_timeout_s: float, custody=None):
+        super().__init__(emit, custody)
         self.rooms = rooms
         self.told = told
+        self.receivers = receivers
         self.pusher = pusher
-        self.fence = fence
-        self.forget = forget
-        self.abandon = abandon
         self.tombstone_ttl_s = tombstone_ttl_s
         self.max_tombstones = max_tombstones
         self.bootstrap_timeout_s = bootstrap_timeout_s
         self.restart_margin_s = heartbeat_timeout_s + RESTART_MARGIN_S
         self.allocated: dict[int, set[str]] = {}  # receivers known to have allocated for a room
         self.reasons: dict[int, str] = {}        # failed rooms awaiting their fence
-        self.deadlines: list[tuple[float, int, int]] = []
+        self.deadlines: list[tuple[float, int, int]] = []  # a heap of (deadline, slot, room)
         self.tombstones: OrderedDict[int, tuple[float, int]] = OrderedDict()  # room -> (concluded, slot)
         self.registrations: dict = {}
         self.sender_died_at = float("-inf")
@@ -136,37 +79,49 @@ class Reaper:
         self.unrecorded = 0  # statuses sent without a record (the told table was full)
         self._watch_at = 0.0
 
-    # ------------------------------------------------------------ inputs
-    def on_opened(self, o: RoomOpened) -> None:
-        # What was told is kept, not reset: a receiver told "unknown room" must not hear
-        # about the room again.
-        self.tombstones.pop(o.room, None)  # only an unknown room's can be there
-        if o.deadline:
-            heapq.heappush(self.deadlines, (o.deadline, o.slot, o.room))
+    def start(self) -> None:
+        """Pick up what a predecessor (if any) left: deadlines and tombstones from the room
+        table, unknown rooms' tombstones from the told table, and the registrations."""
+        in_table = set()
+        for e in self.rooms.entries():
+            in_table.add(e.room)
+            if e.state < RoomState.SUCCESS:
+                if e.deadline:
+                    heapq.heappush(self.deadlines, (e.deadline, e.slot, e.room))
+            else:
+                self.tombstones[e.room] = (e.concluded, e.slot)
+        for room, told_at in self.told.rooms().items():
+            if room not in in_table:
+                self.tombstones[room] = (told_at, None)
+        self.tombstones = OrderedDict(sorted(self.tombstones.items(), key=lambda kv: kv[1][0]))
+        registered = self._reload_registrations()
+        if registered or in_table:
+            # A predecessor was here (the tables are empty at the worker's start): whether
+            # a sender died meanwhile, and who allocated (AllocSeen), died with it. Rooms
+            # that fail soon are told to every registered receiver, as after a sender death.
+            self.sender_died_at = time.monotonic()
 
-    def on_event(self, ev) -> None:
-        """One of the sender's events (stages/records.py: sender -> reaper)."""
-        match ev:
+    def handle(self, source: str, rec) -> None:
+        match rec:
+            case RoomOpened():
+                self._on_opened(rec)
+            case RoomFailure():
+                self._fail(rec)
+            case RoomsLost():
+                self._on_rooms_lost(rec)
             case Registered(registration=reg):
-                self.registrations[reg.receiver] = reg
-                self.pusher.register(reg.receiver, reg.status)
+                self._registered(reg)
             case AllocSeen(room=room, receiver=receiver):
                 self.allocated.setdefault(room, set()).add(receiver)
             case ShardWritten(room=room, item=item, receiver=receiver):
-                who = self._incarnation(receiver)
-                if self.told.told_failed(room, who) or self.told.told_success(room, item, who):
-                    return
-                self._recorded(self.told.record_success(room, item, who, time.monotonic()))
-                self.pusher.send(receiver, wire.status_message(room, item, True))
+                self._tell_success(room, item, receiver)
             case ItemDone(slot=slot, room=room, done=done_so_far):
                 # The count so far, not "one more": a successor handed the record its
                 # predecessor died with must not count the item twice (and end the room early).
                 # (and the room's success in the same update of the table, once every item is done)
                 if self.rooms.complete_item(slot, room, done_so_far)[1]:
-                    self.forget(room)
+                    self.emit(registry.SENDER, RoomSucceeded(room))
                     self._concluded(room, slot, "success", "")
-            case RoomFailure():
-                self.fail(ev)
             case Fenced(room=room, receivers=receivers):
                 self._fenced(room, receivers)
             case LateAlloc(room=room, receiver=receiver):
@@ -174,7 +129,76 @@ class Reaper:
             case UnknownRoom(room=room, receiver=receiver, reason=reason):
                 self._alloc_after_all(room, receiver, reason, dropped=True)
             case _:
-                raise ValueError(f"unknown event {ev!r}")
+                raise ValueError(f"unknown event {rec!r}")
+
+    def tick(self, now: float) -> None:
+        if now >= self._watch_at:
+            self._watch_at = now + WATCH_EVERY_S
+            self._watch(now)
+        while self.deadlines and self.deadlines[0][0] <= now:
+            _, slot, room = heapq.heappop(self.deadlines)
+            entry = self.rooms.get(slot)
+            if entry is not None and entry.room == room and entry.state < RoomState.SUCCESS:
+                self._fail(RoomFailure(slot, room, "deadline exceeded (deadline_ms)"))
+        self._expire_tombstones(now)
+
+    def next_tick_in(self, now: float) -> float | None:
+        due = min(self.deadlines[0][0], self._watch_at) if self.deadlines else self._watch_at
+        return max(0.0, due - now)
+
+    def pushed(self) -> None:
+        """Conclude in the room table the rooms _fail() fenced, now that its orders are out."""
+        to_mark, self.to_mark = self.to_mark, []
+        for slot, room, reason in to_mark:
+            if self.rooms.fail(slot, room, reason):
+                self._concluded(room, slot, "failed", reason)
+
+    def stats(self) -> dict:
+        return {"rooms": dict(self.outcomes), "status_undelivered": self.pusher.undelivered,
+                "status_unrecorded": self.unrecorded,
+                "rooms_concluded": dict(self.concluded_by_reason), "room_latency_seconds": self.latency.snapshot()}
+
+    def close(self) -> None:
+        self.pusher.close()
+
+    # ------------------------------------------------------------ inputs
+    def _on_opened(self, o: RoomOpened) -> None:
+        # What was told is kept, not reset: a receiver told "unknown room" must not hear
+        # about the room again.
+        self.tombstones.pop(o.room, None)  # only an unknown room's can be there
+        if o.deadline:
+            heapq.heappush(self.deadlines, (o.deadline, o.slot, o.room))
+
+    def _on_rooms_lost(self, lost: RoomsLost) -> None:
+        writes_gone = lost.died == registry.SENDER
+        if writes_gone:
+            self.sender_died_at = time.monotonic()
+            # A sender writes a registration into the shared table before it tells
+            # us; one killed in between took the telling along, and we would send
+            # that receiver's statuses to the endpoint of its previous incarnation.
+            self._reload_registrations()
+        for slot, room in lost.rooms:
+            self._fail(RoomFailure(slot, room, lost.reason))
+            if writes_gone:
+                # The sender's process is gone, and its writes with it: that is the fence.
+                self._fenced(room, ())
+
+    def _registered(self, reg: Register) -> None:
+        self.registrations[reg.receiver] = reg
+        self.pusher.register(reg.receiver, reg.status)
+
+    def _reload_registrations(self) -> dict:
+        registered = self.receivers.load()
+        for receiver, (session, status) in registered.items():
+            self._registered(Register(receiver, session, status))
+        return registered
+
+    def _tell_success(self, room: int, item: int, receiver: str) -> None:
+        who = self._incarnation(receiver)
+        if self.told.told_failed(room, who) or self.told.told_success(room, item, who):
+            return
+        self._recorded(self.told.record_success(room, item, who, time.monotonic()))
+        self.pusher.send(receiver, wire.status_message(room, item, True))
 
     def _fenced(self, room: int, receivers) -> None:
         reason = self.reasons.pop(room, None)
@@ -230,7 +254,7 @@ class Reaper:
             # succeed at this receiver. Its fence tells every receiver, this one too.
             self.allocated.setdefault(room, set()).add(receiver)
             if dropped:
-                self.fail(RoomFailure(entry.slot, room, unknown_reason))
+                self._fail(RoomFailure(entry.slot, room, unknown_reason))
             return
         else:
             reason = "room already concluded"
@@ -238,9 +262,9 @@ class Reaper:
             return
         self._tell_failed(room, receiver, reason)
 
-    def fail(self, f: RoomFailure) -> None:
+    def _fail(self, f: RoomFailure) -> None:
         """Fail a live room (first conclusion wins): fence it at the sender and tell the
-        cache and scheduler; `mark_failed()` concludes it in the room table once those
+        cache and scheduler; `pushed()` concludes it in the room table once those
         orders are pushed. In that order a reaper that dies between the two leaves a live
         room, whose record its successor handles again and fences again (harmless); the
         other way round the successor would meet a Failed room, do nothing, and nobody
@@ -253,7 +277,7 @@ class Reaper:
                 slot = self.rooms.insert(f.room, "?", 0, 0, existing_ok=True)
             except TableFull:
                 log.error("room failed but the room table is full: room=%d reason=%s", f.room, f.reason)
-                self.fence(f.room)
+                self.emit(registry.SENDER, Fence(f.room))
                 return
         entry = self.rooms.get(slot)
         if (entry is None or entry.room != f.room or entry.state >= RoomState.SUCCESS
@@ -261,27 +285,12 @@ class Reaper:
             return
         self.reasons[f.room] = f.reason
         self.to_mark.append((slot, f.room, f.reason))
-        self.fence(f.room)
-        self.abandon(f.room)
-
-    def mark_failed(self) -> None:
-        """Conclude in the room table the rooms fail() fenced, now that its orders are out."""
-        to_mark, self.to_mark = self.to_mark, []
-        for slot, room, reason in to_mark:
-            if self.rooms.fail(slot, room, reason):
-                self._concluded(room, slot, "failed", reason)
+        self.emit(registry.SENDER, Fence(f.room))
+        self.emit(registry.CACHE, RoomAbandoned(f.room))
+        self.emit(registry.SCHEDULER, RoomAbandoned(f.room))
 
     # ------------------------------------------------------------ time
-    def tick(self, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        if now >= self._watch_at:
-            self._watch_at = now + WATCH_EVERY_S
-            self.watch(now)
-        while self.deadlines and self.deadlines[0][0] <= now:
-            _, slot, room = heapq.heappop(self.deadlines)
-            entry = self.rooms.get(slot)
-            if entry is not None and entry.room == room and entry.state < RoomState.SUCCESS:
-                self.fail(RoomFailure(slot, room, "deadline exceeded (deadline_ms)"))
+    def _expire_tombstones(self, now: float) -> None:
         while self.tombstones:
             room, (t, slot) = next(iter(self.tombstones.items()))
             if t > now - self.tombstone_ttl_s and len(self.tombstones) <= self.max_tombstones:
@@ -301,12 +310,12 @@ class Reaper:
         timeout, whichever is later, plus the time to find and restart a dead stage."""
         return max(entry.deadline, entry.created + self.bootstrap_timeout_s) + self.restart_margin_s
 
-    def watch(self, now: float) -> None:
+    def _watch(self, now: float) -> None:
         """Fail every live room past its bound: a record lost with a dead stage (or never
         acted on) must not leave a room, and its receivers, waiting for ever."""
         for entry in self._live_entries():
             if now > self.bound_of(entry):
-                self.fail(RoomFailure(entry.slot, entry.room, (
+                self._fail(RoomFailure(entry.slot, entry.room, (
                     f"{WATCHDOG} still live {now - entry.created:.0f} s after it arrived, past its bound "
                     f"max(deadline, bootstrap_timeout_s {self.bootstrap_timeout_s:g} s) + "
                     f"heartbeat_timeout_s + {RESTART_MARGIN_S:g} s ({self.restart_margin_s:g} s); "
@@ -314,7 +323,7 @@ class Reaper:
 
     def _live_entries(self) -> list:
         # The table's state column, vectorised: reading every entry would cost the tens of
-        # thousands of tombstones (~0.5 s) each time.
+        # thousands of tombstones each time.
         states = self.rooms.active_states()
         live = np.flatnonzero((states > RoomState.FREE) & (states < RoomState.SUCCESS)).tolist()
         return [e for e in map(self.rooms.get, live) if e is not None and e.live]
@@ -360,102 +369,6 @@ class Reaper:
             entry = self.rooms.get(slot)
             request_id = entry.request_id if entry is not None and entry.room == room else "?"
             log.info("room failed: room=%d request_id=%s reason=%s", room, request_id, reason)
-
-
-class ReaperStage(Stage):
-    """Sender events, opened and failed rooms, and the supervisor's news in; orders out."""
-
-    name = "reaper"
-    owner = OWNER_REAPER
-    settle_each_record = True  # a status sent cannot be taken back: a successor repeats at most one record
-
-    def __init__(self, emit, *, rooms: RoomTable, told: ToldTable, receivers: ReceiverTable, pusher: StatusPusher,
-                 tombstone_ttl_s: float, max_tombstones: int, bootstrap_timeout_s: float,
-                 heartbeat_timeout_s: float, custody=None):
-        super().__init__(emit, custody)
-        self.receivers = receivers
-        self.reaper = Reaper(rooms=rooms, told=told, pusher=pusher,
-                             fence=lambda room: self.emit("sender", Fence(room)),
-                             forget=lambda room: self.emit("sender", RoomSucceeded(room)),
-                             abandon=self._abandon,
-                             tombstone_ttl_s=tombstone_ttl_s, max_tombstones=max_tombstones,
-                             bootstrap_timeout_s=bootstrap_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s)
-
-    def start(self) -> None:
-        """Pick up what a predecessor (if any) left: deadlines and tombstones from the room
-        table, unknown rooms' tombstones from the told table, and the registrations."""
-        r = self.reaper
-        in_table = set()
-        for e in r.rooms.entries():
-            in_table.add(e.room)
-            if e.state < RoomState.SUCCESS:
-                if e.deadline:
-                    heapq.heappush(r.deadlines, (e.deadline, e.slot, e.room))
-            else:
-                r.tombstones[e.room] = (e.concluded, e.slot)
-        for room, told_at in r.told.rooms().items():
-            if room not in in_table:
-                r.tombstones[room] = (told_at, None)
-        r.tombstones = OrderedDict(sorted(r.tombstones.items(), key=lambda kv: kv[1][0]))
-        registered = self._reload_registrations()
-        if registered or in_table:
-            # A predecessor was here (the tables are empty at the worker's start): whether
-            # a sender died meanwhile, and who allocated (AllocSeen), died with it. Rooms
-            # that fail soon are told to every registered receiver, as after a sender death.
-            r.sender_died_at = time.monotonic()
-
-    def _reload_registrations(self) -> dict:
-        registered = self.receivers.load()
-        for receiver, (session, status) in registered.items():
-            self.reaper.on_event(Registered(Register(receiver, session, status)))
-        return registered
-
-    def handle(self, source: str, rec) -> None:
-        r = self.reaper
-        match rec:
-            case RoomOpened():
-                r.on_opened(rec)
-            case RoomFailure():
-                r.fail(rec)
-            case RoomsLost(rooms=rooms, reason=reason, died=died):
-                writes_gone = died == "sender"
-                if writes_gone:
-                    r.sender_died_at = time.monotonic()
-                    # A sender writes a registration into the shared table before it tells
-                    # us; one killed in between took the telling along, and we would send
-                    # that receiver's statuses to the endpoint of its previous incarnation.
-                    self._reload_registrations()
-                for slot, room in rooms:
-                    r.fail(RoomFailure(slot, room, reason))
-                    if writes_gone:
-                        # The sender's process is gone, and its writes with it: that is the fence.
-                        r.on_event(Fenced(room, ()))
-            case _:
-                r.on_event(rec)
-
-    def tick(self, now: float) -> None:
-        self.reaper.tick(now)
-
-    def next_tick_in(self, now: float) -> float | None:
-        r = self.reaper
-        due = min(r.deadlines[0][0], r._watch_at) if r.deadlines else r._watch_at
-        return max(0.0, due - now)
-
-    def pushed(self) -> None:
-        self.reaper.mark_failed()
-
-    def _abandon(self, room: int) -> None:
-        self.emit("cache", RoomAbandoned(room))
-        self.emit("scheduler", RoomAbandoned(room))
-
-    def stats(self) -> dict:
-        r = self.reaper
-        return {"rooms": dict(r.outcomes), "status_undelivered": r.pusher.undelivered,
-                "status_unrecorded": r.unrecorded,
-                "rooms_concluded": dict(r.concluded_by_reason), "room_latency_seconds": r.latency.snapshot()}
-
-    def close(self) -> None:
-        self.reaper.pusher.close()
 
 
 def build(env, name, emit, custody) -> ReaperStage:

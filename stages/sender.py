@@ -1,10 +1,13 @@
 """Sender: matches ready embeddings with receivers' allocs, checks them, issues writes.
 
 It owns the Mooncake engine and the bootstrap socket's messages. It never sends a
-status itself: everything a receiver should hear goes to the reaper as an event,
-so that one place decides what each receiver is told, exactly once.
+status itself: everything a receiver should hear goes to the reaper as a record
+(the sender -> reaper records of stages/records.py), so that one place decides what
+each receiver is told, exactly once.
 
-Its events to the reaper are the sender -> reaper records of stages/records.py.
+Custody: it holds a room from its RoomOpened until the room concludes here (fenced,
+or forgotten once it succeeded), and an item that overtook its room's RoomOpened
+until the room arrives or is fenced.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from ipc import wire
 from ipc.stats import Histogram
 from ipc.wire import Alloc, Cancel, ProtocolError, Register
 from stages import registry
+from stages.alloc_checks import RowShape, alloc_problem, tiling_problem
 from stages.base import POLL_S, Stage
 from stages.records import (OWNER_SENDER, AllocSeen, Fence, Fenced, ItemDone, LateAlloc,
                             ReadyItem, Registered, RoomFailure, RoomOpened, RoomSucceeded, ShardWritten,
@@ -39,7 +43,6 @@ class _Write:
 
 @dataclass
 class _ItemTx:
-    span: int
     allocs: list[Alloc] = field(default_factory=list)
     fanout: int = 0
     ready: ReadyItem | None = None
@@ -51,47 +54,51 @@ class _ItemTx:
 @dataclass
 class _RoomTx:
     slot: int
+    spans: tuple[int, ...]
     items: list[_ItemTx]
     receivers: set[str] = field(default_factory=set)
     failing: bool = False
     writes: list[_Write] = field(default_factory=list)
     done: int = 0  # items written to every receiver
+    # Held in custody: from the end of its RoomOpened's handling, so that a room failed
+    # while it opens is never held (its items that came early are released instead).
+    in_custody: bool = False
 
 
 MAX_FENCED_UNOPENED = 65536  # a RoomOpened trails its fence by a ring's length at most
 
 
-class Sender:
-    def __init__(self, *, arena: Arena, engine, rooms: RoomTable, registrations: ReceiverTable,
-                 held: HeldAllocs, hidden: int, dtype: str, deepstack_width: int, bootstrap_timeout_s: float,
-                 max_held_allocs: int):
+class SenderStage(Stage):
+    """Bootstrap frames, opened rooms, ready items and the reaper's orders in; records for
+    the reaper out."""
+
+    name = registry.SENDER
+    owner = OWNER_SENDER
+
+    def __init__(self, emit, custody=None, *, arena: Arena, engine, rooms: RoomTable,
+                 registrations: ReceiverTable, held: HeldAllocs, hidden: int, dtype: str, deepstack_width: int,
+                 bootstrap_timeout_s: float, max_held_allocs: int, endpoint: str = ""):
+        super().__init__(emit, custody)
         self.arena = arena
         self.engine = engine
         self.rooms = rooms
         self.registrations = registrations
-        self.hidden = hidden
-        self.dtype = dtype
-        self.deepstack_width = deepstack_width
+        self.shape = RowShape(hidden, dtype, deepstack_width)
         self.itemsize = wire.DTYPES[dtype]
         self.bootstrap_timeout_s = bootstrap_timeout_s
         self.max_held_allocs = max_held_allocs
-        # A predecessor's registrations, if there was one: they outlive both it and the reaper.
-        self.receivers = {rx: Register(rx, session, status)
-                          for rx, (session, status) in registrations.load().items()}
+        self.endpoint = endpoint
+        self.receivers: dict[str, Register] = {}
         self.live: dict[int, _RoomTx] = {}
-        # Allocs for rooms not opened here yet: (since, alloc, slot in the shared held table),
-        # a predecessor's among them: they outlive it.
+        # Allocs for rooms not opened here yet: (since, alloc, slot in the shared held table).
         self.held_table = held
         self.held: dict[int, list[tuple[float, Alloc, int]]] = {}
-        for slot, since, a in held.load():
-            self.held.setdefault(a.room, []).append((since, a, slot))
+        self.n_held = 0
         self.early: dict[int, list[ReadyItem]] = {}  # items that overtook their room's RoomOpened
         # Rooms fenced before their RoomOpened came: the reaper fences before the room
-        # table says Failed, so on_opened cannot rely on the table alone. (And rooms fenced
-        # after it, so that a later alloc is answered, not held for it.)
+        # table says Failed, so a RoomOpened cannot rely on the table alone. (And rooms
+        # fenced after it, so that a later alloc is answered, not held for it.)
         self.fenced_unopened: OrderedDict[int, float] = OrderedDict()  # room -> when fenced
-        self.n_held = len(held)
-        self.events: list = []  # records for the reaper
         self.dropped = Counter()
         self.bytes_written = 0
         self.transfer_seconds = Histogram()
@@ -101,9 +108,63 @@ class Sender:
         self._timeouts_at = 0.0
         self._logged: set[str] = set()
 
+    def start(self) -> None:
+        """A predecessor's registrations and held allocs, if there was one: they outlive it
+        (and the reaper) in shared memory."""
+        self.receivers = {rx: Register(rx, session, status)
+                          for rx, (session, status) in self.registrations.load().items()}
+        for slot, since, a in self.held_table.load():
+            self.held.setdefault(a.room, []).append((since, a, slot))
+        self.n_held = len(self.held_table)
+
+    def socket(self) -> tuple[str, int] | None:
+        # register/alloc/cancel are a few hundred bytes
+        return (self.endpoint, 1 << 20) if self.endpoint else None
+
+    def handle(self, source: str, rec) -> None:
+        match rec:
+            case bytes():
+                self._on_bootstrap(rec)
+            case RoomOpened():
+                self._on_opened(rec)
+            case ReadyItem():
+                self._on_ready(rec, source)
+            case Fence(room=room):
+                self._fence(room)
+            case RoomSucceeded(room=room):
+                self._forget(room)
+            case _:
+                raise ValueError(f"sender: unexpected record from {source}: {rec!r}")
+
+    def tick(self, now: float) -> None:
+        """Collect finished writes; time out what waited too long for its allocs."""
+        for room in list(self.writing):
+            tx = self.live.get(room)
+            if tx is None or not tx.writes:
+                self.writing.discard(room)
+            else:
+                self._poll_room(room, tx)
+                if not tx.writes:
+                    self.writing.discard(room)
+        if now - self._timeouts_at >= 0.05:
+            self._timeouts_at = now
+            self._timeouts(now)
+
+    def next_tick_in(self, now: float) -> float | None:
+        # Writes complete in Mooncake's threads: poll them, yielding the core meanwhile.
+        # An item that overtook its room's RoomOpened polls for it too: that record does
+        # not wake us (stages/records.py, UNHURRIED).
+        return POLL_S if self.writing or self.early else None
+
+    def stats(self) -> dict:
+        return {"sender_dropped": dict(self.dropped), "bytes_written": self.bytes_written,
+                "sender_live_rooms": len(self.live), "sender_held_allocs": self.n_held,
+                "sender_early_items": sum(len(v) for v in self.early.values()),
+                "transfer_seconds": self.transfer_seconds.snapshot(), "transfer_failures": self.transfer_failures}
+
     # ------------------------------------------------------------ inputs
-    def on_bootstrap(self, frame: bytes, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
+    def _on_bootstrap(self, frame: bytes) -> None:
+        now = time.monotonic()
         try:
             msg = wire.decode(frame)
             m = wire.parse_bootstrap(msg)
@@ -120,7 +181,7 @@ class Sender:
             # knows every receiver that may send an alloc or wait for a status.
             self.registrations.put(m.receiver, m.session, m.status)
             self.receivers[m.receiver] = m
-            self.events.append(Registered(m))
+            self.emit(registry.REAPER, Registered(m))
         elif m.receiver not in self.receivers:
             self._drop(f"{type(m).__name__.lower()} from unregistered receiver")
         elif isinstance(m, Cancel):
@@ -129,31 +190,41 @@ class Sender:
             m.session_hash = self.receivers[m.receiver].session_hash
             self._on_alloc(m, now)
 
-    def on_opened(self, opened: RoomOpened) -> None:
+    def _on_opened(self, opened: RoomOpened) -> None:
+        room = opened.room
         entry = self.rooms.get(opened.slot)
-        fenced = self._fenced_unopened(opened.room, entry, pop=True)
-        if fenced or entry is None or entry.room != opened.room or entry.state >= RoomState.SUCCESS:
+        fenced = self._fenced_unopened(room, entry, pop=True)
+        if fenced or entry is None or entry.room != room or entry.state >= RoomState.SUCCESS:
             # Concluded before it reached us (failed elsewhere): answer what was held.
-            for a in self._unhold(opened.room):
-                self.events.append(LateAlloc(opened.room, a.receiver))
-            for r in self.early.pop(opened.room, []):
+            for a in self._unhold(room):
+                self.emit(registry.REAPER, LateAlloc(room, a.receiver))
+            early = self.early.pop(room, [])
+            for r in early:
                 self._release(r)
+            for _ in early:
+                self.custody.release(opened.slot, room)
             return
-        self.live[opened.room] = _RoomTx(opened.slot, [_ItemTx(s) for s in opened.spans])
+        tx = self.live[room] = _RoomTx(opened.slot, tuple(opened.spans), [_ItemTx() for _ in opened.spans])
         # Taken off the list first: a bad one fails and fences the room, and the next ones
         # then meet no live room (they are answered, not held again onto the very list
         # being read, which went round until the held table was full). Out of the shared
         # table only once handled: a sender killed meanwhile leaves them to its successor.
-        held = self.held.pop(opened.room, [])
+        held = self.held.pop(room, [])
         for arrival, a, _ in held:
             self._on_alloc(a, arrival)
         for _, _, slot in held:
             self.held_table.remove(slot)
         self.n_held -= len(held)
-        for r in self.early.pop(opened.room, []):
+        early = self.early.pop(room, [])
+        for r in early:
             self._adopt(r)
+        if room in self.live:  # not failed on the way
+            tx.in_custody = True
+            self.custody.hold(opened.slot, room)
+        for _ in early:  # now covered by the room, or released with it
+            self.custody.release(opened.slot, room)
 
-    def on_ready(self, r: ReadyItem, now: float | None = None, source: str = "cache") -> None:
+    def _on_ready(self, r: ReadyItem, source: str) -> None:
         """Takes over the reference on r.lease that its producer (the cache or a tower) holds."""
         try:
             self.arena.transfer(r.lease, registry.owner_of(source), OWNER_SENDER)
@@ -168,99 +239,65 @@ class Sender:
             entry = self.rooms.get(r.slot)
             if entry is not None and entry.room == r.room and entry.state < RoomState.SUCCESS:
                 self.early.setdefault(r.room, []).append(r)
+                self.custody.hold(r.slot, r.room)  # ours until its room arrives
             else:
                 self._release(r)
             return
-        self._adopt(r, now)
+        self._adopt(r)
 
-    def _adopt(self, r: ReadyItem, now: float | None = None) -> None:
+    def _adopt(self, r: ReadyItem) -> None:
         tx = self.live.get(r.room)  # None: failed (and fenced) by a held alloc just now
         if tx is None or tx.failing or r.item >= len(tx.items) or tx.items[r.item].ready:
             self._release(r)
             return
         it = tx.items[r.item]
         it.ready = r
-        it.ready_at = time.monotonic() if now is None else now
+        it.ready_at = time.monotonic()
         self._maybe_start(r.room, tx, r.item)
 
     # ------------------------------------------------------------ alloc rules
     def _on_alloc(self, a: Alloc, arrival: float) -> None:
         tx = self.live.get(a.room)
         if tx is None:
-            slot = self.rooms.find(a.room)
-            entry = self.rooms.get(slot) if slot is not None else None
-            if (entry is not None and entry.state in (RoomState.SUCCESS, RoomState.FAILED)
-                    or self._fenced_unopened(a.room, entry, pop=False)):
-                self.events.append(LateAlloc(a.room, a.receiver))
-                return
-            slot = self.held_table.put(arrival, a) if self.n_held < self.max_held_allocs else None
-            if slot is None:
-                self._drop("alloc for an unknown room: too many held (max_held_allocs)")
-                self.events.append(UnknownRoom(a.room, a.receiver,
-                                    f"alloc for a room this worker has not seen, and it already holds "
-                                    f"{self.max_held_allocs} such allocs (max_held_allocs)"))
-                return
-            self.held.setdefault(a.room, []).append((arrival, a, slot))
-            self.n_held += 1
+            self._hold_alloc(a, arrival)
             return
         if a.receiver not in tx.receivers:
             tx.receivers.add(a.receiver)
-            self.events.append(AllocSeen(a.room, a.receiver))
+            self.emit(registry.REAPER, AllocSeen(a.room, a.receiver))
         if tx.failing:
             return
-        problem = self._check_alloc(a, tx)
+        it = tx.items[a.item] if a.item < len(tx.items) else None
+        problem = alloc_problem(a, tx.spans, it.allocs if it else (), self.shape)
         if problem:
             self._fail(a.room, tx, problem)
             return
-        it = tx.items[a.item]
         it.allocs.append(a)
         it.fanout = a.fanout
         if len(it.allocs) == it.fanout:
-            problem = self._check_tiling(a.item, it)
+            problem = tiling_problem(a.item, tx.spans[a.item], it.allocs)
             if problem:
                 self._fail(a.room, tx, problem)
                 return
             self._maybe_start(a.room, tx, a.item)
 
-    def _check_alloc(self, a: Alloc, tx: _RoomTx) -> str | None:
-        if a.item >= len(tx.items):
-            return f"alloc for item {a.item} but the room has {len(tx.items)} items"
-        it = tx.items[a.item]
-        if a.span != it.span:
-            return f"alloc for item {a.item} says span {a.span}; the worker's span is {it.span}"
-        if a.hidden != self.hidden:
-            return f"alloc for item {a.item} says hidden {a.hidden}; the embedding's is {self.hidden}"
-        if a.dtype != self.dtype:
-            return f"alloc for item {a.item} says dtype {a.dtype}; the embedding's is {self.dtype}"
-        if a.deepstack_width != self.deepstack_width:
-            return (f"alloc for item {a.item} says deepstack_width {a.deepstack_width}; "
-                    f"the embedding's is {self.deepstack_width}")
-        if it.allocs and a.fanout != it.fanout:
-            return f"allocs for item {a.item} disagree on fanout ({it.fanout} and {a.fanout})"
-        if len(it.allocs) >= a.fanout:
-            return f"more allocs for item {a.item} than its fanout {a.fanout}"
-        if a.row_start + a.n_rows > it.span:
-            return (f"alloc for item {a.item} takes rows [{a.row_start}, {a.row_start + a.n_rows}) "
-                    f"beyond the span {it.span}")
-        if a.n_rows and not a.dst:
-            return f"alloc for item {a.item} has rows but dst 0"
-        if a.n_rows and self.deepstack_width and not a.dst_deepstack:
-            return f"alloc for item {a.item} has rows but dst_deepstack 0 and the model has deepstack"
-        return None
-
-    @staticmethod
-    def _check_tiling(item: int, it: _ItemTx) -> str | None:
-        shards = sorted((a.row_start, a.n_rows) for a in it.allocs if a.n_rows)
-        pos = 0
-        for start, n in shards:
-            if start > pos:
-                return f"shards of item {item} leave rows [{pos}, {start}) unassigned"
-            if start < pos:
-                return f"shards of item {item} overlap at row {start}"
-            pos = start + n
-        if pos != it.span:
-            return f"shards of item {item} cover rows [0, {pos}) of a span of {it.span}"
-        return None
+    def _hold_alloc(self, a: Alloc, arrival: float) -> None:
+        """An alloc for a room not open here: answered if the room concluded, else held
+        for its RoomOpened (in shared memory too: held allocs outlive this process)."""
+        slot = self.rooms.find(a.room)
+        entry = self.rooms.get(slot) if slot is not None else None
+        if (entry is not None and entry.state in (RoomState.SUCCESS, RoomState.FAILED)
+                or self._fenced_unopened(a.room, entry, pop=False)):
+            self.emit(registry.REAPER, LateAlloc(a.room, a.receiver))
+            return
+        slot = self.held_table.put(arrival, a) if self.n_held < self.max_held_allocs else None
+        if slot is None:
+            self._drop("alloc for an unknown room: too many held (max_held_allocs)")
+            self.emit(registry.REAPER, UnknownRoom(a.room, a.receiver,
+                      f"alloc for a room this worker has not seen, and it already holds "
+                      f"{self.max_held_allocs} such allocs (max_held_allocs)"))
+            return
+        self.held.setdefault(a.room, []).append((arrival, a, slot))
+        self.n_held += 1
 
     # ------------------------------------------------------------ writes
     def _maybe_start(self, room: int, tx: _RoomTx, item: int) -> None:
@@ -274,9 +311,9 @@ class Sender:
         # no owner: the table's holders field is the custody bit mask, which a number would overwrite
         self.rooms.advance(tx.slot, room, RoomState.TRANSFERRING)
         base = self.arena.address + it.ready.lease.offset
-        main_row = self.hidden * self.itemsize
-        ds_row = self.deepstack_width * self.itemsize
-        ds_base = base + it.span * main_row
+        main_row = self.shape.hidden * self.itemsize
+        ds_row = self.shape.deepstack_width * self.itemsize
+        ds_base = base + tx.spans[item] * main_row
         for a in it.allocs:
             if a.session_hash != self.receivers[a.receiver].session_hash:
                 # The receiver registered again since under another session (a restarted
@@ -286,7 +323,7 @@ class Sender:
                 return
         for a in it.allocs:
             if not a.n_rows:
-                self.events.append(ShardWritten(room, item, a.receiver))
+                self.emit(registry.REAPER, ShardWritten(room, item, a.receiver))
                 continue
             srcs = [base + a.row_start * main_row]
             dsts = [a.dst]
@@ -320,25 +357,7 @@ class Sender:
         self._release(it.ready)
         it.ready = None
         tx.done += 1
-        self.events.append(ItemDone(tx.slot, room, item, tx.done))
-
-    def poll(self, now: float | None = None) -> None:
-        """Collect finished writes; time out what waited too long for its allocs."""
-        for room in list(self.writing):
-            tx = self.live.get(room)
-            if tx is None or not tx.writes:
-                self.writing.discard(room)
-            else:
-                self._poll_room(room, tx)
-                if not tx.writes:
-                    self.writing.discard(room)
-        now = time.monotonic() if now is None else now
-        if now - self._timeouts_at >= 0.05:
-            self._timeouts_at = now
-            self._timeouts(now)
-
-    def busy(self) -> bool:
-        return bool(self.writing)
+        self.emit(registry.REAPER, ItemDone(tx.slot, room, item, tx.done))
 
     def _poll_room(self, room: int, tx: _RoomTx) -> None:
         still = []
@@ -353,7 +372,7 @@ class Sender:
             if not ok:
                 self.transfer_failures += 1
             if ok and not tx.failing:
-                self.events.append(ShardWritten(room, w.item, w.receiver))
+                self.emit(registry.REAPER, ShardWritten(room, w.item, w.receiver))
             elif not ok:
                 reason = getattr(w.pending, "error", "") or "write failed"
                 self._fail(room, tx, f"transfer to receiver {w.receiver} failed: {reason}")
@@ -384,7 +403,7 @@ class Sender:
                 if t >= limit:
                     keep.append((t, a, slot))
                     continue
-                self.events.append(UnknownRoom(room, a.receiver, "unknown room"))
+                self.emit(registry.REAPER, UnknownRoom(room, a.receiver, "unknown room"))
                 self.held_table.remove(slot)
             self.n_held -= len(held) - len(keep)
             if keep:
@@ -395,10 +414,10 @@ class Sender:
     # ------------------------------------------------------------ failing
     def _fail(self, room: int, tx: _RoomTx, reason: str) -> None:
         if not tx.failing:
-            self.events.append(RoomFailure(tx.slot, room, reason))
-            self.fence(room)
+            self.emit(registry.REAPER, RoomFailure(tx.slot, room, reason))
+            self._fence(room)
 
-    def fence(self, room: int) -> None:
+    def _fence(self, room: int) -> None:
         """Stop the room: no new write starts; once none is in flight, report `fenced`."""
         tx = self.live.get(room)
         if tx is None:
@@ -406,7 +425,8 @@ class Sender:
             receivers = sorted({a.receiver for a in self._unhold(room)})
             for r in self.early.pop(room, []):
                 self._release(r)
-            self.events.append(Fenced(room, tuple(receivers)))
+                self.custody.release(r.slot, room)
+            self.emit(registry.REAPER, Fenced(room, tuple(receivers)))
             return
         if not tx.failing:
             tx.failing = True
@@ -423,26 +443,29 @@ class Sender:
             self.fenced_unopened.popitem(last=False)
 
     def _conclude_fence(self, room: int, tx: _RoomTx) -> None:
-        self.events.append(Fenced(room, tuple(sorted(tx.receivers))))
+        self.emit(registry.REAPER, Fenced(room, tuple(sorted(tx.receivers))))
         del self.live[room]
+        if tx.in_custody:  # else its RoomOpened's handling releases what it held
+            self.custody.release(tx.slot, room)
         # An alloc that comes later is answered (LateAlloc), not held for a RoomOpened
         # that came already: the room is in the table, live until the reaper marks it.
         self._remember_fenced(room)
 
-    def forget(self, room: int) -> None:
+    def _forget(self, room: int) -> None:
         """The room concluded Success: drop what is left of it."""
         tx = self.live.pop(room, None)
         if tx is not None:
             for it in tx.items:
                 if it.ready is not None:
                     self._release(it.ready)
+            self.custody.release(tx.slot, room)
 
     def _on_cancel(self, c: Cancel) -> None:
         tx = self.live.get(c.room)
         if tx is not None:
             self._fail(c.room, tx, "canceled")
         elif c.room in self.held:
-            self.events.append(RoomFailure(None, c.room, "canceled"))
+            self.emit(registry.REAPER, RoomFailure(None, c.room, "canceled"))
         else:
             self._drop("cancel of a room this worker does not hold")
 
@@ -469,88 +492,9 @@ class Sender:
             log.warning("dropped: %s", reason)
 
 
-class SenderStage(Stage):
-    """Bootstrap frames, opened rooms, ready items and the reaper's orders in; events out."""
-
-    name = "sender"
-    owner = OWNER_SENDER
-
-    def __init__(self, emit, sender: Sender, custody=None, *, endpoint: str = ""):
-        super().__init__(emit, custody)
-        self.sender = sender
-        self.endpoint = endpoint
-
-    def socket(self) -> tuple[str, int] | None:
-        # register/alloc/cancel are a few hundred bytes
-        return (self.endpoint, 1 << 20) if self.endpoint else None
-
-    def handle(self, source: str, rec) -> None:
-        s = self.sender
-        match rec:
-            case bytes():
-                s.on_bootstrap(rec)
-            case RoomOpened():
-                early = len(s.early.get(rec.room, ()))
-                s.on_opened(rec)
-                if rec.room in s.live:
-                    self.custody.hold(rec.slot, rec.room)
-                for _ in range(early):  # now covered by the room, or released with it
-                    self.custody.release(rec.slot, rec.room)
-            case ReadyItem():
-                s.on_ready(rec, source=source)
-                if rec in s.early.get(rec.room, ()):  # held until its room arrives: ours meanwhile
-                    self.custody.hold(rec.slot, rec.room)
-            case Fence(room=room):
-                early = s.early.get(room, [])
-                slot = early[0].slot if early else None
-                s.fence(room)
-                for _ in early:
-                    self.custody.release(slot, room)
-            case RoomSucceeded(room=room):
-                tx = s.live.get(room)
-                s.forget(room)
-                if tx is not None:
-                    self.custody.release(tx.slot, room)
-            case _:
-                raise ValueError(f"sender: unexpected record from {source}: {rec!r}")
-        self._flush_events()
-
-    def tick(self, now: float) -> None:
-        self.sender.poll(now)
-        self._flush_events()
-
-    def next_tick_in(self, now: float) -> float | None:
-        # Writes complete in Mooncake's threads: poll them, yielding the core meanwhile.
-        # An item that overtook its room's RoomOpened polls for it too: that record does
-        # not wake us (stages/records.py, UNHURRIED).
-        return POLL_S if self.sender.busy() or self.sender.early else None
-
-    def _flush_events(self) -> None:
-        s = self.sender
-        while s.events:
-            events, s.events = s.events, []
-            for ev in events:
-                self.emit("reaper", ev)
-                if isinstance(ev, Fenced):
-                    slot = self.custody_slots.get(ev.room)
-                    if slot is not None:
-                        self.custody.release(slot, ev.room)
-
-    @property
-    def custody_slots(self) -> dict:
-        return getattr(self.custody, "slots", {})
-
-    def stats(self) -> dict:
-        s = self.sender
-        return {"sender_dropped": dict(s.dropped), "bytes_written": s.bytes_written,
-                "sender_live_rooms": len(s.live), "sender_held_allocs": s.n_held,
-                "sender_early_items": sum(len(v) for v in s.early.values()),
-                "transfer_seconds": s.transfer_seconds.snapshot(), "transfer_failures": s.transfer_failures}
-
-
 def build(env, name, emit, custody) -> SenderStage:
     cfg, spec, sh = env.cfg, env.spec, env.shared
-    sender = Sender(arena=sh.emb_arena, engine=env.engine, rooms=sh.rooms, registrations=sh.receivers, held=sh.held,
-                    hidden=spec.hidden, dtype=spec.dtype, deepstack_width=spec.deepstack_width,
-                    bootstrap_timeout_s=cfg.bootstrap_timeout_s, max_held_allocs=cfg.max_held_allocs)
-    return SenderStage(emit, sender, custody, endpoint=cfg.bootstrap)
+    return SenderStage(emit, custody, arena=sh.emb_arena, engine=env.engine, rooms=sh.rooms,
+                       registrations=sh.receivers, held=sh.held, hidden=spec.hidden, dtype=spec.dtype,
+                       deepstack_width=spec.deepstack_width, bootstrap_timeout_s=cfg.bootstrap_timeout_s,
+                       max_held_allocs=cfg.max_held_allocs, endpoint=cfg.bootstrap)

@@ -107,7 +107,7 @@ def test_cancel_just_after_success_sends_nothing(reaper, rooms):
     cancel_at_sender(stage, slot)  # it crossed the last item's success on the way
     assert states(pusher) == [(0, "success"), (1, "success")], "no `failed` after the successes"
     assert emitted == [("sender", RoomSucceeded(ROOM))], "no fence, no forget_room for a room that succeeded"
-    assert stage.reaper.outcomes == {"success": 1}
+    assert stage.outcomes == {"success": 1}
     assert rooms.get(slot).state == RoomState.SUCCESS
 
 
@@ -120,7 +120,7 @@ def test_cancel_before_the_last_success_fails_the_room(reaper, rooms):
     assert pusher.sent[-1][1]["reason"] == "canceled"
     assert rooms.get(slot).state == RoomState.FAILED
     assert ("sender", Fence(ROOM)) in emitted
-    assert stage.reaper.outcomes == {"failed": 1}
+    assert stage.outcomes == {"failed": 1}
 
 
 def successor(tables):
@@ -212,7 +212,7 @@ def test_a_fenced_with_several_receivers_handled_again_tells_each_once(reaper, t
     stage, pusher, slot, _ = reaper
     feed(stage, "cache", RoomFailure(slot, ROOM, "tower failed"))
     fenced = Fenced(ROOM, ("prefill-0", "prefill-1", "prefill-2"))
-    stage.reaper.told.record_failed(ROOM, "prefill-0", 0.0)  # the predecessor got one told ...
+    stage.told.record_failed(ROOM, "prefill-0", 0.0)  # the predecessor got one told ...
     pusher.send("prefill-0", wire.status_message(ROOM, None, False, "tower failed"))
     nxt, heard, _ = successor(tables)  # ... and was killed there
     feed(nxt, "sender", fenced)
@@ -240,7 +240,7 @@ def test_an_unknown_room_is_remembered_by_a_successor(tables):
     stage, pusher, _ = make_reaper(tables)
     feed(stage, "sender", UnknownRoom(99, RECEIVER, "unknown room"))
     nxt, heard, _ = successor(tables)
-    assert 99 in nxt.reaper.tombstones, "freed with its tombstone, like any other"
+    assert 99 in nxt.tombstones, "freed with its tombstone, like any other"
     feed(nxt, "sender", UnknownRoom(99, RECEIVER, "unknown room"))
     assert states(pusher) == [(None, "failed")] and heard.sent == []
     stage.close()
@@ -265,7 +265,7 @@ def test_told_entries_go_with_their_tombstone(tables, rooms):
     feed(stage, "intake", RoomOpened(slot, ROOM, "req-7", (4,), 0.0))
     feed(stage, "sender", RoomFailure(slot, ROOM, "canceled"))
     feed(stage, "sender", Fenced(ROOM, (RECEIVER,)))
-    told = stage.reaper.told
+    told = stage.told
     assert told.told_failed(ROOM, RECEIVER)
     feed(stage, "sender", UnknownRoom(98, RECEIVER, "unknown room"))  # a second tombstone: one too many
     stage.tick(time.monotonic())
@@ -281,7 +281,7 @@ def test_a_sender_and_a_reaper_restarted_together_keep_every_registration(tables
     receiver table does. The receiver's alloc is still accepted, its status still goes out."""
     from ipc.arena import Arena
     from ipc.held import HeldAllocs
-    from stages.sender import Sender
+    from stages.sender import SenderStage
 
     rooms, _, receivers = tables
     run_id = shm.new_run_id()
@@ -289,27 +289,33 @@ def test_a_sender_and_a_reaper_restarted_together_keep_every_registration(tables
     held = HeldAllocs.create(shm_prefix, run_id, "held", 16)
     try:
         def sender():
-            return Sender(arena=arena, engine=None, rooms=rooms, registrations=receivers, held=held, hidden=8,
-                          dtype="bfloat16", deepstack_width=0, bootstrap_timeout_s=60.0, max_held_allocs=16)
+            """A started sender on the shared tables: (stage, what it emitted for the reaper)."""
+            out = []
+            s = SenderStage(lambda dest, rec: out.append(rec), arena=arena, engine=None, rooms=rooms,
+                            registrations=receivers, held=held, hidden=8, dtype="bfloat16", deepstack_width=0,
+                            bootstrap_timeout_s=60.0, max_held_allocs=16)
+            s.start()
+            return s, out
 
-        first = sender()
-        first.on_bootstrap(wire.encode({"v": 1, "type": "register", "receiver": RECEIVER,
-                                        "session": "127.0.0.1:1234", "status": "tcp://127.0.0.1:5555"}))
-        assert [type(e) for e in first.events] == [Registered]  # the sender and the reaper die here
+        first, first_out = sender()
+        first.handle("socket", wire.encode({"v": 1, "type": "register", "receiver": RECEIVER,
+                                            "session": "127.0.0.1:1234", "status": "tcp://127.0.0.1:5555"}))
+        assert [type(e) for e in first_out] == [Registered]  # the sender and the reaper die here
 
-        again, reaper_again = sender(), make_reaper(tables)
+        (again, again_out), reaper_again = sender(), make_reaper(tables)
         stage, pusher, _ = reaper_again
         assert pusher.endpoints == {RECEIVER: "tcp://127.0.0.1:5555"}
         slot = rooms.insert(ROOM, "req", 1, OWNER_INTAKE)
-        again.on_opened(RoomOpened(slot, ROOM, "req", (4,), 0.0))
-        again.on_bootstrap(wire.encode({"v": 1, "type": "alloc", "receiver": RECEIVER, "room": ROOM, "item": 0,
-                                        "dst": 4096, "dst_deepstack": 0, "row_start": 0, "n_rows": 0, "span": 4,
-                                        "hidden": 8, "dtype": "bfloat16", "deepstack_width": 0, "fanout": 1}))
+        again.handle("intake", RoomOpened(slot, ROOM, "req", (4,), 0.0))
+        again.handle("socket", wire.encode({"v": 1, "type": "alloc", "receiver": RECEIVER, "room": ROOM, "item": 0,
+                                            "dst": 4096, "dst_deepstack": 0, "row_start": 0, "n_rows": 0,
+                                            "span": 4, "hidden": 8, "dtype": "bfloat16", "deepstack_width": 0,
+                                            "fanout": 1}))
         assert not again.dropped, again.dropped
         feed(stage, "intake", RoomOpened(slot, ROOM, "req", (4,), 0.0))
         feed(stage, "sender", RoomFailure(slot, ROOM, "canceled"))
-        again.fence(ROOM)  # the reaper's Fence: answered, with the receiver that allocated
-        for ev in again.events:
+        again.handle("reaper", Fence(ROOM))  # the reaper's Fence: answered, with the receiver that allocated
+        for ev in again_out:
             feed(stage, "sender", ev)
         assert pusher.sent == [(RECEIVER, {"v": 1, "type": "status", "room": ROOM, "item": None,
                                            "state": "failed", "reason": "canceled"})]
@@ -327,14 +333,13 @@ def test_the_watchdog_fails_a_room_nobody_will_finish(tables, rooms):
     """A room in the table whose every record was lost: past max(deadline, bootstrap_timeout_s)
     plus the restart margin it fails, fenced and told like any other failure."""
     stage, pusher, emitted = make_reaper(tables, bootstrap_timeout_s=0.2, heartbeat_timeout_s=0.1)
-    r = stage.reaper
     slot = rooms.insert(ROOM, "req-lost", 1, 0)
     entry = rooms.get(slot)
-    bound = r.bound_of(entry)
-    assert bound == entry.created + 0.2 + r.restart_margin_s
+    bound = stage.bound_of(entry)
+    assert bound == entry.created + 0.2 + stage.restart_margin_s
     stage.tick(bound - 0.01)
     assert rooms.get(slot).live and not emitted
-    stage.tick(bound + r.restart_margin_s)  # a second later at most, it looks
+    stage.tick(bound + stage.restart_margin_s)  # a second later at most, it looks
     stage.pushed()
     assert ("sender", Fence(ROOM)) in emitted
     assert rooms.get(slot).state == RoomState.FAILED
@@ -368,7 +373,7 @@ def test_when_who_allocated_is_not_known_every_registered_receiver_hears(tables,
         feed(stage, "supervisor", RoomsLost(((slot, ROOM),), "the sender stage died while it held this room",
                                             died="sender"))
     else:
-        stage.tick(stage.reaper.bound_of(rooms.get(slot)) + 1.0)  # time has passed its bound
+        stage.tick(stage.bound_of(rooms.get(slot)) + 1.0)  # time has passed its bound
         stage.pushed()
         feed(stage, "sender", Fenced(ROOM, ()))  # the sender never saw the room
     assert sorted(r for r, msg in pusher.sent if msg["state"] == "failed") == ["rx-a", "rx-b"], pusher.sent
@@ -512,7 +517,7 @@ def test_a_status_sent_just_before_the_receiver_moves_its_endpoint_still_arrives
     was closed with linger 0, and the status told just before the move never arrived)."""
     import zmq
 
-    from stages.reaper import StatusPusher
+    from stages.status_pusher import StatusPusher
     from tests.helpers import free_port
 
     ctx = zmq.Context()

@@ -1,49 +1,109 @@
-"""The sender's bookkeeping of rooms it is told to fence before it has seen them open."""
+"""The sender: rooms fenced before it has seen them open, allocs held for rooms it has not
+seen, and the custody it takes of what it holds."""
 from __future__ import annotations
 
 import time
 
 import pytest
 
-from ipc import shm
+from ipc import shm, wire
 from ipc.arena import Arena
 from ipc.held import HeldAllocs
 from ipc.receivers import ReceiverTable
 from ipc.rooms import RoomTable
-from stages.records import OWNER_INTAKE, Fenced, LateAlloc, RoomOpened, UnknownRoom
-from stages.sender import Sender
+from stages.base import TableCustody
+from stages.records import (OWNER_INTAKE, OWNER_SENDER, OWNER_TOWER, AllocSeen, Fence, Fenced, LateAlloc, ReadyItem,
+                            RoomFailure, RoomOpened, RoomSucceeded, UnknownRoom)
+from stages.registry import INTAKE, REAPER, TOWER
+from stages.sender import SenderStage
 
 ROOM = 11
 
 
+class Outbox(list):
+    """What a sender emitted, in order: every record of its goes to the reaper."""
+
+    def __call__(self, dest, rec) -> None:
+        assert dest == REAPER, (dest, rec)
+        self.append(rec)
+
+
+class RecordingCustody(TableCustody):
+    """A stage process's custody, which also keeps the calls a sender makes, in order."""
+
+    def __init__(self, rooms: RoomTable):
+        super().__init__(rooms, OWNER_SENDER)
+        self.calls: list[tuple[str, int, int]] = []
+
+    def hold(self, slot: int, room: int) -> None:
+        self.calls.append(("hold", slot, room))
+        super().hold(slot, room)
+
+    def release(self, slot: int, room: int) -> None:
+        self.calls.append(("release", slot, room))
+        super().release(slot, room)
+
+    def holds(self, room: int) -> bool:
+        """Is the sender's bit set for `room` in the room table, once what it emitted is pushed?"""
+        self.flush()
+        return any(e.room == room for e in self.rooms.held_by(self.bit, failed_too=True))
+
+
 @pytest.fixture
-def sender(shm_prefix):
+def tables(shm_prefix):
+    """What a sender and its successors share: arena, rooms, receivers, held allocs."""
     run_id = shm.new_run_id()
-    arena = Arena.create(shm_prefix, run_id, "emb", 64 * 1024, block_size=64)
-    rooms = RoomTable.create(shm_prefix, run_id, "rooms", 16)
-    receivers = ReceiverTable.create(shm_prefix, run_id, "receivers", 8)
-    held = HeldAllocs.create(shm_prefix, run_id, "held", 16)
-    # No write is started here, so no transfer engine is needed.
-    s = Sender(arena=arena, engine=None, rooms=rooms, registrations=receivers, held=held, hidden=8,
-               dtype="bfloat16", deepstack_width=0, bootstrap_timeout_s=60.0, max_held_allocs=16)
+    made = (Arena.create(shm_prefix, run_id, "emb", 64 * 1024, block_size=64),
+            RoomTable.create(shm_prefix, run_id, "rooms", 16),
+            ReceiverTable.create(shm_prefix, run_id, "receivers", 8),
+            HeldAllocs.create(shm_prefix, run_id, "held", 16))
     try:
-        yield s, rooms
+        yield made
     finally:
-        for table in (rooms, receivers, held):
+        for table in made:
             table.close()
             table.unlink()
-        arena.close()
-        arena.unlink()
+
+
+def make_sender(tables, engine=None, custody=None) -> tuple[SenderStage, Outbox]:
+    """A started sender on `tables`, as a stage host builds one (no transfer engine unless
+    a test starts writes)."""
+    arena, rooms, receivers, held = tables
+    out = Outbox()
+    s = SenderStage(out, custody, arena=arena, engine=engine, rooms=rooms, registrations=receivers, held=held,
+                    hidden=8, dtype="bfloat16", deepstack_width=0, bootstrap_timeout_s=60.0, max_held_allocs=16)
+    s.start()
+    return s, out
+
+
+@pytest.fixture
+def sender(tables):
+    s, out = make_sender(tables)
+    return s, tables[1], out
+
+
+def _bootstrap(s, **msg):
+    s.handle("socket", wire.encode({"v": wire.VERSION, **msg}))
+
+
+def _register(s, rx, session="127.0.0.1:1111", status="tcp://127.0.0.1:2222"):
+    _bootstrap(s, type="register", receiver=rx, session=session, status=status)
+
+
+def _alloc(s, rx, item=0, span=4, n_rows=None):
+    _bootstrap(s, type="alloc", receiver=rx, room=ROOM, item=item, dst=4096, dst_deepstack=0, row_start=0,
+               n_rows=span if n_rows is None else n_rows, span=span, hidden=8, dtype="bfloat16",
+               deepstack_width=0, fanout=1)
 
 
 def test_a_room_fenced_before_its_room_opened_is_not_opened_when_it_comes(sender):
     """The reaper fences a failed room before the room table says Failed, and the
     RoomOpened comes on another ring: the table may still say live when it arrives."""
-    s, rooms = sender
+    s, rooms, out = sender
     slot = rooms.insert(ROOM, "req", 1, OWNER_INTAKE)
-    s.fence(ROOM)
-    assert s.events == [Fenced(ROOM, ())]
-    s.on_opened(RoomOpened(slot, ROOM, "req", [4], 0.0))
+    s.handle(REAPER, Fence(ROOM))
+    assert out == [Fenced(ROOM, ())]
+    s.handle(INTAKE, RoomOpened(slot, ROOM, "req", [4], 0.0))
     assert rooms.get(slot).live, "the table alone would have let it open"
     assert ROOM not in s.live
 
@@ -51,48 +111,41 @@ def test_a_room_fenced_before_its_room_opened_is_not_opened_when_it_comes(sender
 def test_a_room_id_used_again_after_an_old_fence_opens(sender):
     """A room id may come back once its tombstone expired: a fence older than the room
     is not the new room's."""
-    s, rooms = sender
-    s.fence(ROOM)  # a room of that id, long gone
+    s, rooms, _ = sender
+    s.handle(REAPER, Fence(ROOM))  # a room of that id, long gone
     time.sleep(0.01)
     slot = rooms.insert(ROOM, "req-again", 1, OWNER_INTAKE)
-    s.on_opened(RoomOpened(slot, ROOM, "req-again", [4], 0.0))
+    s.handle(INTAKE, RoomOpened(slot, ROOM, "req-again", [4], 0.0))
     assert ROOM in s.live
 
 
 def test_an_alloc_for_a_room_fenced_before_it_opened_is_answered_at_once(sender):
     """A room failed at intake never opens at the sender; an alloc that comes after its
     fence, while the table may still say live, must not wait for a RoomOpened."""
-    from ipc.wire import Alloc
-
-    s, rooms = sender
+    s, rooms, out = sender
+    _register(s, "rx")
     rooms.insert(ROOM, "req", 1, OWNER_INTAKE)
-    s.fence(ROOM)
-    s.events.clear()
-    alloc = Alloc(receiver="rx", room=ROOM, item=0, dst=4096, dst_deepstack=0, row_start=0, n_rows=4,
-                  span=4, hidden=8, dtype="bfloat16", deepstack_width=0, fanout=1)
-    s._on_alloc(alloc, time.monotonic())
-    assert s.events == [LateAlloc(ROOM, "rx")]
+    s.handle(REAPER, Fence(ROOM))
+    out.clear()
+    _alloc(s, "rx")
+    assert out == [LateAlloc(ROOM, "rx")]
     assert not s.held
 
 
-def test_allocs_held_for_an_unseen_room_outlive_the_sender(sender, shm_prefix):
+def test_allocs_held_for_an_unseen_room_outlive_the_sender(tables):
     """A sender SIGKILLed while it holds an alloc for a room it has not seen: its successor
     holds it again, since the same moment, and answers it (here: "unknown room" at the
     bootstrap timeout), so the receiver does not wait forever."""
-    from ipc.wire import Alloc
-
-    s, rooms = sender
-    alloc = Alloc(receiver="rx", room=ROOM, item=0, dst=4096, dst_deepstack=0, row_start=0, n_rows=4,
-                  span=4, hidden=8, dtype="bfloat16", deepstack_width=0, fanout=1)
-    since = time.monotonic()
-    s._on_alloc(alloc, since)
-    assert s.n_held == 1 and not s.events
-    successor = Sender(arena=s.arena, engine=None, rooms=rooms, registrations=s.registrations,
-                       held=s.held_table, hidden=8, dtype="bfloat16", deepstack_width=0,
-                       bootstrap_timeout_s=60.0, max_held_allocs=16)
-    assert successor.held == {ROOM: [(since, alloc, 0)]} and successor.n_held == 1
-    successor._timeouts(since + 61.0)
-    assert successor.events == [UnknownRoom(ROOM, "rx", "unknown room")]
+    s, out = make_sender(tables)
+    _register(s, "rx")
+    out.clear()
+    _alloc(s, "rx")
+    assert s.n_held == 1 and not out
+    [(since, alloc, slot)] = s.held[ROOM]
+    successor, heard = make_sender(tables)
+    assert successor.held == {ROOM: [(since, alloc, slot)]} and successor.n_held == 1
+    successor.tick(since + 61.0)
+    assert heard == [UnknownRoom(ROOM, "rx", "unknown room")]
     assert successor.n_held == 0 and len(successor.held_table) == 0
 
 
@@ -100,24 +153,22 @@ def test_a_bad_held_alloc_fails_its_room_once_and_the_rest_are_answered(sender):
     """Allocs held before their RoomOpened, the first of them bad: it fails and fences the
     room as it opens; the others are answered, not held again (that went round and round
     until the held table was full, and every alloc after it was dropped)."""
-    from ipc.wire import Alloc
-
-    s, rooms = sender
+    s, rooms, out = sender
+    for rx in ("rx-a", "rx-b", "rx-c"):
+        _register(s, rx)
     slot = rooms.insert(ROOM, "req", 2, OWNER_INTAKE)
-    mk = lambda rx, item, span: Alloc(receiver=rx, room=ROOM, item=item, dst=4096, dst_deepstack=0,  # noqa: E731
-                                      row_start=0, n_rows=span, span=span, hidden=8, dtype="bfloat16",
-                                      deepstack_width=0, fanout=1)
-    s._on_alloc(mk("rx-a", 0, 5), time.monotonic())  # span 5: the room's is 4
-    s._on_alloc(mk("rx-b", 1, 4), time.monotonic())
+    out.clear()
+    _alloc(s, "rx-a", item=0, span=5)  # span 5: the room's is 4
+    _alloc(s, "rx-b", item=1, span=4)
     assert s.n_held == 2
-    s.on_opened(RoomOpened(slot, ROOM, "req", [4, 4], 0.0))
+    s.handle(INTAKE, RoomOpened(slot, ROOM, "req", [4, 4], 0.0))
     assert s.n_held == 0 and len(s.held_table) == 0 and not s.held
-    kinds = [type(e).__name__ for e in s.events]
-    assert kinds == ["AllocSeen", "RoomFailure", "Fenced", "LateAlloc"], s.events
-    assert s.events[-1] == LateAlloc(ROOM, "rx-b")
-    s.events.clear()
-    s._on_alloc(mk("rx-c", 1, 4), time.monotonic())  # later still: answered too
-    assert s.events == [LateAlloc(ROOM, "rx-c")] and not s.held
+    kinds = [type(e).__name__ for e in out]
+    assert kinds == ["AllocSeen", "RoomFailure", "Fenced", "LateAlloc"], out
+    assert out[-1] == LateAlloc(ROOM, "rx-b")
+    out.clear()
+    _alloc(s, "rx-c", item=1, span=4)  # later still: answered too
+    assert out == [LateAlloc(ROOM, "rx-c")] and not s.held
 
 
 class _Engine:
@@ -131,35 +182,92 @@ class _Engine:
         return object()
 
 
-def _bootstrap(s, **msg):
-    from ipc import wire
-
-    s.on_bootstrap(wire.encode({"v": wire.VERSION, **msg}))
-
-
 @pytest.mark.parametrize("again", ["new session", "same session", "same session, new status endpoint"])
 def test_an_alloc_from_a_receiver_that_registered_again_is_never_written(sender, again):
     """A register replaces the one before (a restarted receiver, PROTOCOL.md §2): an alloc
     that came before one under another session names the predecessor's buffers. Its room
     fails; no write starts. The same session registered again (a status endpoint moved)
     is the same receiver's memory: its allocs stand."""
-    from stages.records import OWNER_TOWER, ReadyItem, RoomFailure
-
-    s, rooms = sender
+    s, rooms, out = sender
     s.engine = engine = _Engine()
-    _bootstrap(s, type="register", receiver="rx", session="127.0.0.1:1111", status="tcp://127.0.0.1:2222")
+    _register(s, "rx")
     slot = rooms.insert(ROOM, "req", 1, OWNER_INTAKE)
-    s.on_opened(RoomOpened(slot, ROOM, "req", [4], 0.0))
-    _bootstrap(s, type="alloc", receiver="rx", room=ROOM, item=0, dst=4096, dst_deepstack=0, row_start=0,
-               n_rows=4, span=4, hidden=8, dtype="bfloat16", deepstack_width=0, fanout=1)
+    s.handle(INTAKE, RoomOpened(slot, ROOM, "req", [4], 0.0))
+    _alloc(s, "rx")
     session = "127.0.0.1:3333" if again == "new session" else "127.0.0.1:1111"
     status = "tcp://127.0.0.1:4444" if "new status" in again else "tcp://127.0.0.1:2222"
-    _bootstrap(s, type="register", receiver="rx", session=session, status=status)
+    _register(s, "rx", session, status)
     lease = s.arena.alloc(4 * 8 * 2, OWNER_TOWER)
-    s.on_ready(ReadyItem(slot, ROOM, 0, 4, lease), source="tower")
-    failures = [e for e in s.events if isinstance(e, RoomFailure)]
+    s.handle(TOWER, ReadyItem(slot, ROOM, 0, 4, lease))
+    failures = [e for e in out if isinstance(e, RoomFailure)]
     if again == "new session":
         assert engine.writes == []
-        assert len(failures) == 1 and "registered again" in failures[0].reason, s.events
+        assert len(failures) == 1 and "registered again" in failures[0].reason, out
     else:
         assert engine.writes == [("127.0.0.1:1111", [4096])] and not failures
+
+
+# -- custody: held while the sender holds anything of the room, released once handed on ----
+
+
+def _ready(s, slot, item):
+    s.handle(TOWER, ReadyItem(slot, ROOM, item, 4, s.arena.alloc(4 * 8 * 2, OWNER_TOWER)))
+
+
+def test_an_item_that_overtook_its_room_is_held_until_the_room_holds_it(tables):
+    """An item before its RoomOpened is the sender's (its bit set); once the room opens,
+    the room's hold covers it; the room's success releases the room."""
+    custody = RecordingCustody(tables[1])
+    s, _ = make_sender(tables, custody=custody)
+    rooms = tables[1]
+    slot = rooms.insert(ROOM, "req", 2, OWNER_INTAKE)
+    _ready(s, slot, 0)
+    assert custody.calls == [("hold", slot, ROOM)] and s.next_tick_in(0.0) is not None
+    assert custody.holds(ROOM)
+    s.handle(INTAKE, RoomOpened(slot, ROOM, "req", [4, 4], 0.0))
+    assert custody.calls[1:] == [("hold", slot, ROOM), ("release", slot, ROOM)]
+    assert custody.holds(ROOM)
+    custody.calls.clear()
+    s.handle(REAPER, RoomSucceeded(ROOM))
+    assert custody.calls == [("release", slot, ROOM)] and ROOM not in s.live
+    assert not custody.holds(ROOM)
+
+
+def test_a_room_fenced_is_released_with_its_fence(tables):
+    """A live room's fence answered at once releases it; an unopened room's fence releases
+    each item that overtook it."""
+    custody = RecordingCustody(tables[1])
+    s, out = make_sender(tables, custody=custody)
+    rooms = tables[1]
+    slot = rooms.insert(ROOM, "req", 1, OWNER_INTAKE)
+    s.handle(INTAKE, RoomOpened(slot, ROOM, "req", [4], 0.0))
+    custody.calls.clear()
+    s.handle(REAPER, Fence(ROOM))
+    assert out == [Fenced(ROOM, ())] and custody.calls == [("release", slot, ROOM)]
+    assert not custody.holds(ROOM)
+
+    other = ROOM + 1
+    slot2 = rooms.insert(other, "req-2", 2, OWNER_INTAKE)
+    for item in (0, 1):
+        s.handle(TOWER, ReadyItem(slot2, other, item, 4, s.arena.alloc(4 * 8 * 2, OWNER_TOWER)))
+    assert custody.holds(other)
+    custody.calls.clear()
+    s.handle(REAPER, Fence(other))
+    assert custody.calls == [("release", slot2, other)] * 2 and not s.early
+    assert not custody.holds(other)
+
+
+def test_a_room_failed_while_it_opens_is_never_held(tables):
+    """A bad alloc held for the room fails and fences it as its RoomOpened is handled: the
+    room is not held (its item that came early is released), so nothing stays set for it."""
+    custody = RecordingCustody(tables[1])
+    s, out = make_sender(tables, custody=custody)
+    rooms = tables[1]
+    _register(s, "rx")
+    slot = rooms.insert(ROOM, "req", 1, OWNER_INTAKE)
+    _alloc(s, "rx", span=5)  # the room's span is 4
+    _ready(s, slot, 0)
+    s.handle(INTAKE, RoomOpened(slot, ROOM, "req", [4], 0.0))
+    assert [type(e) for e in out[1:]] == [AllocSeen, RoomFailure, Fenced], out
+    assert custody.calls == [("hold", slot, ROOM), ("release", slot, ROOM)]
+    assert not custody.holds(ROOM)
