@@ -423,9 +423,11 @@ class SenderStage(Stage):
         if tx is None:
             self._remember_fenced(room)
             receivers = sorted({a.receiver for a in self._unhold(room)})
-            for r in self.early.pop(room, []):
+            early = self.early.pop(room, [])
+            for r in early:
                 self._release(r)
-                self.custody.release(r.slot, room)
+            for _ in early:  # held where the first was: a later one's slot may be another room's since
+                self.custody.release(early[0].slot, room)
             self.emit(registry.REAPER, Fenced(room, tuple(receivers)))
             return
         if not tx.failing:
@@ -445,8 +447,9 @@ class SenderStage(Stage):
     def _conclude_fence(self, room: int, tx: _RoomTx) -> None:
         self.emit(registry.REAPER, Fenced(room, tuple(sorted(tx.receivers))))
         del self.live[room]
-        if tx.in_custody:  # else its RoomOpened's handling releases what it held
-            self.custody.release(tx.slot, room)
+        slot = self.custody.slot_of(room)  # where its bit was set (None: no custody kept here)
+        if tx.in_custody and slot is not None:  # else its RoomOpened's handling releases it
+            self.custody.release(slot, room)
         # An alloc that comes later is answered (LateAlloc), not held for a RoomOpened
         # that came already: the room is in the table, live until the reaper marks it.
         self._remember_fenced(room)
