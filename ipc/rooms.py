@@ -2,9 +2,9 @@
 
 Any process reads it without locking; writers serialise on one table-wide lock
 (``SegmentLock``: a ``flock`` the kernel drops when its holder dies). An update
-holds it for a few microseconds; a flock pair costs ~1 us here against ~1.5 us for
-a per-entry ``lockf`` byte range, and one lock lets ``insert`` check for a duplicate
-room and claim a FREE slot atomically.
+holds it for a few microseconds; a flock pair costs less here than a per-entry
+``lockf`` byte range, and one lock lets ``insert`` check for a duplicate room and
+claim a FREE slot atomically.
 
 Torn updates. Each entry has a u32 sequence number and two copies of its
 record; copy ``seq & 1`` is the active one. A writer (lock held) writes the whole
@@ -25,122 +25,53 @@ across processes). Contiguous columns hold each copy's room and state, written
 with the copy before it is published, so ``held_by`` scans them with numpy and
 then verifies the few candidates' records.
 
-Finding a room, and a FREE slot, without a scan. The table is as large as the
-rooms live plus the tombstones kept (70k slots by default), and a scan of its
-columns costs 25-95 us: ``insert`` did two under the lock, once per request, and
-every other writer waited on them. So an index maps room ids to slots: a hash
-table (linear probing, backward-shift deletion, twice the table's capacity, u32
-slot + 1 per entry, 0 empty) that ``insert`` and ``free`` update under the lock.
-It is a hint: every slot it gives is verified against the record (an entry left
-pointing at a slot that has changed room is skipped). A writer makes the index's
-sequence word odd before touching it and even after; one killed in between leaves
-it odd, and the next writer rebuilds the index from the records. A lock-free
-reader retries when the word moved under it, and scans the columns while it is
-odd. A FREE slot is looked for from a cursor (the slot after the last insert), a
-chunk of columns at a time.
+Finding a room without a scan: ``RoomIndex`` (ipc/room_index.py), a hash index of
+room ids updated under the lock, with its own sequence word so that a writer killed
+while changing it leaves it to be rebuilt. A FREE slot is looked for from a cursor
+(the slot after the last insert), a chunk of columns at a time.
 
-Custody, without the lock. ``holders`` is a bit mask: bit ``i`` set while stage
-``i`` holds some of the room's items. Every stage sets and clears its bit on every
-record it takes and hands on, so it is not in the locked record: each slot has a
-claim per owner (``MAX_OWNERS``), a room id and an on-byte, and only that owner (or
-the supervisor, once the owner is dead) writes it. A claim counts only while its
-room is the slot's room, so claims left by a room that has gone are void, and
-``insert`` clears the slot's claims before it publishes the new room. ``hold``
-checks the slot holds the room, writes its claim, and checks again: a room freed
-and another inserted into the slot meanwhile voids the claim (a store the CPU
-still buffers past that second read could in principle outlive it; its only effect
-is that the owner's death would fail the new room too).
+Custody without the lock: ``RoomClaims`` (ipc/room_claims.py), a claim per slot and
+owner that only that owner writes, counted only while its room is the slot's room.
+
 ``room`` is an unsigned 64-bit id (the protocol's); ``request_id`` (128 UTF-8 bytes)
 and ``reason`` (256) are cut with '…' when longer.
 """
 from __future__ import annotations
 
-import enum
-import functools
 import struct
 import time
 import zlib
-from dataclasses import dataclass
 from operator import index as _index
 
 import numpy as np
 
 from . import shm
+from .room_claims import MAX_OWNERS, RoomClaims
+from .room_entry import RoomEntry, RoomState, TableFull
+from .room_index import RoomIndex
 from .segment_lock import SegmentLock
+from .shared_table import SharedTable, lay_out
 
 __all__ = ["RoomEntry", "RoomState", "RoomTable", "TableFull"]
 
-
-class RoomState(enum.IntEnum):
-    FREE = 0
-    BOOTSTRAPPING = 1
-    QUEUED = 2
-    ENCODING = 3
-    TRANSFERRING = 4
-    SUCCESS = 5
-    FAILED = 6
-
-
 _FINAL = (RoomState.SUCCESS, RoomState.FAILED)
-
-
-class TableFull(RuntimeError):
-    """No FREE slot left in the room table."""
-
-
-@dataclass(frozen=True)
-class RoomEntry:
-    slot: int
-    room: int
-    request_id: str
-    state: RoomState
-    holders: int  # custody bit mask, from the claims
-    items_total: int
-    items_done: int
-    reason: str
-    deadline: float
-    created: float
-    concluded: float
-
-    @property
-    def live(self) -> bool:
-        return RoomState.FREE < self.state < RoomState.SUCCESS
-
 
 REQUEST_ID_BYTES = 128
 REASON_BYTES = 256
-_MAGIC = 0x6D6F_6F72_0000_0003  # "room", layout 3
-MAX_OWNERS = 32  # custody bits
 # record: crc32 over the rest, then the body
 _BODY = struct.Struct(f"<IQBBHIIddd{REQUEST_ID_BYTES}s{REASON_BYTES}s")
-_REC = 4 + _BODY.size  # 436
-_HDR = 64
-# header words (u64): magic, capacity, record size, total size, repairs, index sequence, free cursor
-_H_REPAIRS, _H_INDEX_SEQ, _H_CURSOR = 4, 5, 6
-_GOLDEN = 0x9E37_79B9_7F4A_7C15  # Fibonacci hashing of room ids into the index
-_M64 = 2**64 - 1
+_REC = 4 + _BODY.size
+# header words (u64) after the magic, the capacity and the size
+_H_REPAIRS, _H_INDEX_SEQ, _H_CURSOR = 3, 4, 5
 _FREE_CHUNK = 1024  # slots whose states one step of the FREE-slot search reads
-
-
-def _index_size(capacity: int) -> int:
-    """Entries of the room index: a power of two, at least twice the capacity."""
-    return 1 << max(4, (2 * capacity - 1).bit_length())
 
 
 def _layout(capacity: int) -> dict[str, int]:
     """Segment layout: header, seq u32[cap], columns room u64 / state u8 [cap, 2], records
-    [cap, 2] of _REC bytes, custody claims: room u64 / on u8 [cap, MAX_OWNERS], room index
-    u32[_index_size(cap)], progress u8[cap]."""
-    off, pos = {}, _HDR
-    for name, nbytes in (("seq", 4 * capacity), ("room", 16 * capacity), ("state", 2 * capacity),
-                         ("rec", 2 * _REC * capacity), ("claim_room", 8 * MAX_OWNERS * capacity),
-                         ("claim_on", MAX_OWNERS * capacity), ("index", 4 * _index_size(capacity)),
-                         ("progress", capacity)):
-        pos = (pos + 63) // 64 * 64
-        off[name] = pos
-        pos += nbytes
-    off["total"] = pos
-    return off
+    [cap, 2] of _REC bytes, custody claims, room index, progress u8[cap]."""
+    return lay_out((("seq", 4 * capacity), ("room", 16 * capacity), ("state", 2 * capacity),
+                    ("rec", 2 * _REC * capacity), *RoomClaims.columns(capacity),
+                    ("index", 4 * RoomIndex.entries(capacity)), ("progress", capacity)))
 
 
 # body field indices (after ver)
@@ -148,7 +79,6 @@ _ROOM, _STATE, _RIDLEN, _REASONLEN, _TOTAL, _DONE, _DEADLINE, _CREATED, _CONCLUD
 _U64 = (0, 2**64 - 1)
 _U32_MAX = 2**32 - 1
 _FREE_FIELDS = (0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0, b"", b"")
-_NO_CLAIMS = bytes(MAX_OWNERS)
 _READ_SPINS = 64
 _STATES = tuple(RoomState)
 _new_entry = object.__new__
@@ -172,11 +102,6 @@ def _slots(copy_mask: np.ndarray) -> list[int]:
     return list(dict.fromkeys((idx >> 1).tolist()))
 
 
-@functools.lru_cache(maxsize=1024)
-def _owners(bits: int) -> tuple[int, ...]:
-    return tuple(o for o in range(MAX_OWNERS) if bits >> o & 1)
-
-
 def _check_range(name: str, v, lo: int, hi: int) -> int:
     v = _index(v)
     if not lo <= v <= hi:
@@ -184,79 +109,48 @@ def _check_range(name: str, v, lo: int, hi: int) -> int:
     return v
 
 
-class RoomTable:
+class RoomTable(SharedTable):
     """Rooms in shared memory: readable lock-free by any process, updated under a lock."""
 
+    MAGIC = 0x6D6F_6F72_0000_0004  # "room", layout 4
+    KIND = "room table"
+
     @classmethod
-    def create(cls, prefix: str, run_id: str, what: str, capacity: int) -> "RoomTable":
-        capacity = _index(capacity)
+    def segment_size(cls, capacity: int) -> int:
         if not 1 <= capacity <= 2**20:
             raise ValueError(f"room table capacity {capacity} must be 1..2**20")
-        lay = _layout(capacity)
-        seg = shm.Segment.create(shm.object_name(prefix, run_id, what), lay["total"])
-        try:
-            # Zeroed by posix_fallocate: seq 0, columns FREE. Records: both copies FREE
-            # and valid (copy 1 as the version before seq 0).
-            pair = bytearray(2 * _REC)
-            for copy, ver in ((0, 0), (1, _U32_MAX)):
-                body = _BODY.pack(ver, *_FREE_FIELDS)
-                pair[copy * _REC:copy * _REC + 4] = zlib.crc32(body).to_bytes(4, "little")
-                pair[copy * _REC + 4:(copy + 1) * _REC] = body
-            seg.buf[lay["rec"]:lay["rec"] + 2 * _REC * capacity] = bytes(pair) * capacity
-            hdr = seg.buf[:_HDR].cast("Q")
-            hdr[1], hdr[2], hdr[3] = capacity, _REC, lay["total"]
-            hdr[0] = _MAGIC  # last: attach refuses a half-made table
-            hdr.release()
-            return cls(seg)
-        except BaseException:
-            seg.close()
-            seg.unlink()
-            raise
+        return _layout(capacity)["total"]
 
     @classmethod
-    def attach(cls, prefix: str, run_id: str, what: str) -> "RoomTable":
-        seg = shm.Segment.attach(shm.object_name(prefix, run_id, what))
-        try:
-            return cls(seg)
-        except BaseException:
-            seg.close()
-            raise
+    def format(cls, buf: memoryview, capacity: int) -> None:
+        """Zeroed by posix_fallocate: seq 0, columns FREE. Records: both copies FREE and
+        valid (copy 1 as the version before seq 0)."""
+        pair = bytearray(2 * _REC)
+        for copy, ver in ((0, 0), (1, _U32_MAX)):
+            body = _BODY.pack(ver, *_FREE_FIELDS)
+            pair[copy * _REC:copy * _REC + 4] = zlib.crc32(body).to_bytes(4, "little")
+            pair[copy * _REC + 4:(copy + 1) * _REC] = body
+        at = _layout(capacity)["rec"]
+        buf[at:at + 2 * _REC * capacity] = bytes(pair) * capacity
 
     def __init__(self, seg: shm.Segment):
-        self._seg = seg
-        if seg.size < _HDR:
-            raise shm.ShmError(f"{seg.name!r} is too small to be a room table")
-        hdr = seg.buf[:_HDR].cast("Q")
-        magic, capacity, rec, total = hdr[0], hdr[1], hdr[2], hdr[3]
-        hdr.release()
-        if magic != _MAGIC or rec != _REC or not 1 <= capacity <= 2**20 or total != _layout(capacity)["total"]:
-            raise shm.ShmError(f"{seg.name!r} is not an initialised room table (bad magic or layout)")
-        if seg.size < total:
-            raise shm.ShmError(f"room table {seg.name!r} is smaller than its header says")
-        cap = self.capacity = int(capacity)
-        lay = self._lay = _layout(cap)
+        super().__init__(seg)
+        cap = self.capacity
+        lay = _layout(cap)
         mv = self._mv = seg.buf
         mm = seg.buf.obj
-        self._hdr = mv[:_HDR].cast("Q")
+        self._hdr = mv[:lay["seq"]].cast("Q")
         self._seqv = mv[lay["seq"]:lay["seq"] + 4 * cap].cast("I")
         self._roomv = mv[lay["room"]:lay["room"] + 16 * cap].cast("Q")
-        self._claim_roomv = mv[lay["claim_room"]:lay["claim_room"] + 8 * MAX_OWNERS * cap].cast("Q")
-        self._claim_onv = mv[lay["claim_on"]:lay["claim_on"] + MAX_OWNERS * cap]
-        self._mm, self._claim_on0 = mm, lay["claim_on"]
         self._statev = mv[lay["state"]:lay["state"] + 2 * cap]
         self._rec0 = lay["rec"]
         self._seq = np.frombuffer(mm, np.uint32, cap, lay["seq"])
         self._rooms = np.frombuffer(mm, np.uint64, 2 * cap, lay["room"]).reshape(cap, 2)
-        self._claim_room = np.frombuffer(mm, np.uint64, MAX_OWNERS * cap, lay["claim_room"]).reshape(cap, MAX_OWNERS)
-        self._claim_on = np.frombuffer(mm, np.uint8, MAX_OWNERS * cap, lay["claim_on"]).reshape(cap, MAX_OWNERS)
         self._states = np.frombuffer(mm, np.uint8, 2 * cap, lay["state"]).reshape(cap, 2)
-        n = _index_size(cap)
-        self._idxv = mv[lay["index"]:lay["index"] + 4 * n].cast("I")
-        self._idx = np.frombuffer(mm, np.uint32, n, lay["index"])
-        self._mask, self._shift = n - 1, 64 - (n.bit_length() - 1)
+        self._claims = RoomClaims(mv, lay["claim_room"], lay["claim_on"], cap)
+        self._room_index = RoomIndex(mv, lay["index"], cap, self._hdr, _H_INDEX_SEQ, self._active_room)
         self._progv = mv[lay["progress"]:lay["progress"] + cap]
         self._lock = SegmentLock(seg)
-        self._closed = False
 
     # -- raw records ---------------------------------------------------------
 
@@ -342,28 +236,13 @@ class RoomTable:
         self._hdr[_H_REPAIRS] += 1
         return (seq + 1) & _U32_MAX, fields
 
-    def _holders(self, slot: int, room: int) -> int:
-        """The custody bits of the owners whose claim on ``slot`` is for ``room``."""
-        base = slot * MAX_OWNERS
-        at = self._claim_on0 + base
-        on = self._mm[at:at + MAX_OWNERS]  # bytes: the usual answer (no claim) in one compare
-        if on == _NO_CLAIMS:
-            return 0
-        bits, rooms = 0, self._claim_roomv
-        o = on.find(1)
-        while o >= 0:
-            if rooms[base + o] == room:
-                bits |= 1 << o
-            o = on.find(1, o + 1)
-        return bits
-
     def _entry(self, slot: int, f) -> RoomEntry:
-        # Filled through __dict__: a frozen dataclass's __init__ costs ~2 us here.
+        # Filled through __dict__: a frozen dataclass's __init__ costs several times as much.
         e = _new_entry(RoomEntry)
         e.__dict__.update(
             slot=slot, room=f[_ROOM], request_id=f[_RID][:f[_RIDLEN]].decode("utf-8", "replace"),
             state=_STATES[max(f[_STATE], self._progv[slot]) if f[_STATE] < RoomState.SUCCESS else f[_STATE]],
-            holders=self._holders(slot, f[_ROOM]), items_total=f[_TOTAL],
+            holders=self._claims.holders(slot, f[_ROOM]), items_total=f[_TOTAL],
             items_done=f[_DONE],
             reason=f[_REASON][:f[_REASONLEN]].decode("utf-8", "replace"),
             deadline=f[_DEADLINE], created=f[_CREATED], concluded=f[_CONCLUDED],
@@ -386,68 +265,24 @@ class RoomTable:
         finally:
             self._lock.release()
 
-    # -- the room index (lock held to change it) ---------------------------------
-
-    def _home(self, room: int) -> int:
-        return ((room * _GOLDEN) & _M64) >> self._shift
+    # -- the room index and the FREE slots (lock held) ---------------------------------
 
     def _active_room(self, slot: int) -> tuple[int, int]:
         """(room, state) of ``slot``'s active copy, from the columns."""
         c = 2 * slot + (self._seqv[slot] & 1)
         return self._roomv[c], self._statev[c]
 
-    def _indexed(self, room: int) -> int | None:
-        """The slot the index gives for ``room`` (its columns agree; the caller verifies the record)."""
-        idx, mask = self._idxv, self._mask
-        i = self._home(room)
-        for _ in range(mask + 1):
-            e = idx[i]
-            if e == 0 or e > self.capacity:
-                return None
-            r, state = self._active_room(e - 1)
-            if r == room and state:
-                return e - 1
-            i = (i + 1) & mask
-        return None
-
-    def _index_add(self, room: int, slot: int) -> None:
-        idx, mask = self._idxv, self._mask
-        i = self._home(room)
-        while idx[i]:
-            i = (i + 1) & mask
-        idx[i] = slot + 1
-
-    def _index_remove(self, room: int, slot: int) -> None:
-        """Take ``slot``'s entry out of ``room``'s chain, moving later entries of the chain
-        back into the hole (backward-shift deletion: no tombstones to skip)."""
-        idx, mask = self._idxv, self._mask
-        i = self._home(room)
-        while idx[i] != slot + 1:
-            if idx[i] == 0:
-                return
-            i = (i + 1) & mask
-        j = i
-        while True:
-            j = (j + 1) & mask
-            e = idx[j]
-            if e == 0:
-                break
-            k = self._home(self._active_room(e - 1)[0])
-            if (j - k) & mask >= (j - i) & mask:  # its home is not after the hole: it may move there
-                idx[i] = e
-                i = j
-        idx[i] = 0
-
     def _clean_index(self) -> None:
         """Lock held: rebuild the index from the records if a writer died while changing it."""
-        if not self._hdr[_H_INDEX_SEQ] & 1:
-            return
-        self._idx[:] = 0
+        if self._room_index.dirty:
+            self._room_index.rebuild(self._rooms_in_use())
+
+    def _rooms_in_use(self):
+        """Lock held: (room, slot) of every entry not FREE, from the records."""
         for slot in np.flatnonzero(self.active_states() != 0).tolist():
             _, f = self._current(slot)
             if f[_STATE] != RoomState.FREE:
-                self._index_add(f[_ROOM], slot)
-        self._hdr[_H_INDEX_SEQ] += 1
+                yield f[_ROOM], slot
 
     def _free_slot(self):
         """Lock held: (slot, seq) of a FREE slot, searched from the cursor; None if none."""
@@ -489,17 +324,8 @@ class RoomTable:
         room = _index(room)
         if not _U64[0] <= room <= _U64[1]:
             return None
-        hdr = self._hdr
-        for _ in range(_READ_SPINS):
-            v = hdr[_H_INDEX_SEQ]
-            if v & 1:  # a writer is changing the index (or died doing it): scan
-                slots = self._room_candidates(room)
-                break
-            slot = self._indexed(room)
-            if hdr[_H_INDEX_SEQ] == v:
-                slots = () if slot is None else (slot,)
-                break
-        else:
+        slots = self._room_index.lookup(room)
+        if slots is None:  # a writer is changing the index (or died doing it): scan
             slots = self._room_candidates(room)
         for slot in slots:
             e = self.get(slot)
@@ -560,27 +386,26 @@ class RoomTable:
             free = self._free_slot()
             if free is None:
                 raise TableFull(
-                    f"room table {self._seg.name!r} is full: all {self.capacity} slots hold rooms "
+                    f"room table {self.segment.name!r} is full: all {self.capacity} slots hold rooms "
                     f"(live or concluded tombstones not yet freed); cannot record room {room} "
                     f"(request {request_id!r})"
                 )
             slot, s = free
-            self._hdr[_H_INDEX_SEQ] += 1  # odd: changing the index
-            self._claim(slot, room, holders)  # before the room is there: void until then
-            self._progv[slot] = 0
-            self._store(slot, s, fields)
-            if _fault_hook is not None:
-                _fault_hook("rooms.index")
-            self._index_add(room, slot)
-            self._hdr[_H_CURSOR] = slot + 1
-            self._hdr[_H_INDEX_SEQ] += 1
+            with self._room_index.changing():
+                self._claims.reset(slot, room, holders)  # before the room is there: void until then
+                self._progv[slot] = 0
+                self._store(slot, s, fields)
+                if _fault_hook is not None:
+                    _fault_hook("rooms.index")
+                self._room_index.add(room, slot)
+                self._hdr[_H_CURSOR] = slot + 1
             return slot
         finally:
             self._lock.release()
 
     def _find_locked(self, room: int) -> int | None:
         """Index clean: the slot of ``room``'s non-FREE entry, or None."""
-        slot = self._indexed(room)
+        slot = self._room_index.slot_of(room)
         if slot is None:
             return None
         _, f = self._current(slot)
@@ -618,14 +443,6 @@ class RoomTable:
 
         return bool(self._update(slot, room, change))
 
-    def _claim(self, slot: int, room: int, bits: int) -> None:
-        """Lock held, slot FREE: the new room's claims are ``bits``, every other claim void."""
-        base = slot * MAX_OWNERS
-        self._claim_onv[base:base + MAX_OWNERS] = _NO_CLAIMS
-        for o in _owners(bits):
-            self._claim_roomv[base + o] = room
-            self._claim_onv[base + o] = 1
-
     def _is_there(self, slot: int, room: int) -> bool:
         # The usual answer from the active copy's columns (written with that copy, before it
         # was published); anything else from its record, checked.
@@ -643,40 +460,26 @@ class RoomTable:
         """Claim custody ``bits`` of ``room``, even when concluded (no lock: each owner writes
         only its own claims); False, claims unchanged, if ``slot`` does not hold ``room``."""
         slot = self._slot_index(slot)
-        base = slot * MAX_OWNERS
-        owners = _owners(bits)
-        rooms, on = self._claim_roomv, self._claim_onv
-        before = [(rooms[base + o], on[base + o]) for o in owners]
-        for o in owners:
-            rooms[base + o] = room
-            on[base + o] = 1
-        if self._is_there(slot, room):  # read after the claim is written: see the class doc
+        before = self._claims.take(slot, room, bits)
+        if self._is_there(slot, room):  # read after the claim is written: see ipc/room_claims.py
             return True
-        for o, (r, flag) in zip(owners, before):
-            on[base + o] = 0
-            rooms[base + o] = r
-            on[base + o] = flag
+        self._claims.put_back(slot, before)
         return False
 
     def unhold(self, slot: int, room: int, bits: int) -> bool:
         """Give up custody ``bits`` of ``room``; False if ``slot`` does not hold ``room``."""
         slot = self._slot_index(slot)
-        base = slot * MAX_OWNERS
-        for o in _owners(bits):
-            if self._claim_onv[base + o] and self._claim_roomv[base + o] == room:
-                self._claim_onv[base + o] = 0
+        self._claims.give_up(slot, room, bits)
         return self._is_there(slot, room)
 
     def held_by(self, bits: int, failed_too: bool = False) -> list[RoomEntry]:
         """Live entries whose holders have any of ``bits``; with ``failed_too``, Failed ones
         still held as well (a failed room the sender holds until its writes are fenced)."""
-        owners = _owners(bits)
-        if not owners:
+        if not bits:
             return []
         rooms = np.where(self._seq & 1, self._rooms[:, 1], self._rooms[:, 0])
         st = self.active_states()
-        owners = list(owners)
-        claimed = ((self._claim_on[:, owners] != 0) & (self._claim_room[:, owners] == rooms[:, None])).any(axis=1)
+        claimed = self._claims.claimed(bits, rooms)
         wanted = (st > 0) & (st < RoomState.SUCCESS)
         if failed_too:
             wanted |= st == RoomState.FAILED
@@ -752,12 +555,11 @@ class RoomTable:
             s, f = self._current(slot)
             if f[_STATE] < RoomState.SUCCESS or f[_ROOM] != room:
                 return False
-            self._hdr[_H_INDEX_SEQ] += 1  # odd: changing the index
-            self._index_remove(room, slot)
-            if _fault_hook is not None:
-                _fault_hook("rooms.index")
-            self._store(slot, s, _FREE_FIELDS)
-            self._hdr[_H_INDEX_SEQ] += 1
+            with self._room_index.changing():
+                self._room_index.remove(room, slot)
+                if _fault_hook is not None:
+                    _fault_hook("rooms.index")
+                self._store(slot, s, _FREE_FIELDS)
             return True
         finally:
             self._lock.release()
@@ -770,27 +572,7 @@ class RoomTable:
     # -- teardown ----------------------------------------------------------------
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
         self._lock.close()
-        for v in (self._hdr, self._seqv, self._roomv, self._statev, self._claim_roomv, self._claim_onv,
-                  self._idxv, self._progv):
-            v.release()
-        self._seq = self._rooms = self._states = self._claim_room = self._claim_on = self._idx = None
-        self._hdr = self._seqv = self._roomv = self._statev = self._claim_roomv = self._claim_onv = self._idxv = None
-        self._progv = None
-        self._mv = self._mm = None
-        self._seg.close()
-
-    def unlink(self) -> None:
-        self._seg.unlink()
-
-    def __enter__(self) -> "RoomTable":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"RoomTable({self._seg.name!r}, capacity={self.capacity})"
+        self._claims.close()
+        self._room_index.close()
+        super().close()

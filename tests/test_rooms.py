@@ -480,12 +480,12 @@ def test_writer_killed_while_changing_the_index(make_table, op):
     # (free: killed before its record changed, so the tombstone is still there)
     for r, slot in rooms.items():
         assert t.find(r) == slot
-    assert t._hdr[rooms_mod._H_INDEX_SEQ] & 1  # marked in change: readers scanned
+    assert t._room_index.dirty  # marked in change: readers scanned
     new = t.insert(10, "q10", 1, 0)  # rebuilds the index first
-    assert not t._hdr[rooms_mod._H_INDEX_SEQ] & 1
+    assert not t._room_index.dirty
     rooms[10] = new
     for r, slot in rooms.items():
-        assert t._indexed(r) == slot and t.find(r) == slot
+        assert t._room_index.slot_of(r) == slot and t.find(r) == slot
     with pytest.raises(ValueError):
         t.insert(7, "again", 1, 0)
     assert t.free(rooms[8], 8) and t.find(8) is None
