@@ -1,35 +1,36 @@
 """A thin, honest wrapper over the Mooncake transfer engine (one-sided writes).
 
-Used by the worker's sender (``submit``/``poll``) and by the prefill-side receiver
-library (``register``). The facts it is built on were measured against
-mooncake-transfer-engine 0.3.13.post1 over TCP (notes: /tmp/mooncake_notes.md,
-summarised here):
+Used by the worker's sender (``register_source``, ``submit``/``poll``) and by the
+prefill-side receiver library (``register``). The facts it is built on were measured
+against mooncake-transfer-engine 0.3.13.post1 over TCP, and read in Mooncake's source:
 
-* ``initialize(host, "P2PHANDSHAKE", protocol, device)`` takes ~1 ms, returns 0 even
-  for an unknown protocol name or an unresolvable host, and picks a random RPC port
-  (the port in ``host`` is ignored); peers address us as ``"host:get_rpc_port()"``.
-  So this wrapper checks the protocol and the host itself.
-* ``transfer_sync_write`` and ``get_batch_transfer_status`` busy-spin a core until the
-  write ends; ``transfer_check_status(batch)`` is non-blocking but looks at task 0
-  only and frees the batch once it reports 1 (done) or -1 (failed), so it is safe
-  only for single-entry batches and must not be asked again afterwards. Hence each
-  entry is its own ``transfer_submit_write`` batch, polled with
-  ``transfer_check_status`` (1.5-2x the throughput of serial sync writes on two
-  cores, at lower CPU; a thread pool of sync writes gets *slower* as it grows).
+* ``initialize(host, "P2PHANDSHAKE", protocol, device)`` returns 0 even for an unknown
+  protocol or an unresolvable host (so this wrapper checks both) and picks a random
+  RPC port, ignoring any in ``host``; peers address us as ``"host:get_rpc_port()"``.
+* Registered memory is served to any peer: the RPC port answers every handshake with
+  the registered buffers (``get_first_buffer_address``), the TCP data port serves
+  reads and writes anywhere inside them, and over RDMA a registered region is an MR
+  with remote read and write rights whose rkey that handshake hands out. Both ports
+  bind every interface whatever ``host`` is (the library has no setting for it;
+  MC_TCP_BIND_ADDRESS only names the address it advertises under a metadata server).
+  Over TCP only a write's destination is checked (by the peer), so a source needs no
+  registration and the sender registers none; over RDMA the NIC needs the source
+  registered, which exposes it (``register_source``).
+* ``transfer_check_status(batch)`` does not block (``transfer_sync_write`` busy-spins
+  a core) but reads task 0 only and frees the batch once it has ended, so each entry
+  is its own ``transfer_submit_write`` batch, never asked again after its end.
 * ``transfer_submit_write`` performs the P2P handshake with a new peer inline: it
   fails at once for a dead peer, but blocks for ~60 s for a peer that accepts TCP
-  and does not answer, *holding the engine-wide lock*, so writes to every other
-  peer wait too. ``send_probe`` blocks the same ~60 s but takes no lock. So a new
-  (or failed) session is probed first, and ``submit`` never calls the library in
-  the caller's thread: a small dispatcher pool does, serialised per session, so a
-  hung peer holds one dispatcher thread and delays only its own writes.
+  and does not answer, *holding the engine-wide lock*, so writes to every other peer
+  wait too. ``send_probe`` blocks as long but takes no lock. So a new (or failed)
+  session is probed first, and ``submit`` never calls the library in the caller's
+  thread: a small dispatcher pool does, serialised per session, so a hung peer holds
+  one dispatcher thread and delays only its own writes.
 * A transfer that stops making progress fails after ``MC_TCP_PROGRESS_TIMEOUT_SEC``
-  (library default 30 s; ``Engine(progress_timeout_s=...)`` sets it). A write to a
-  SIGKILLed peer fails within ~1 s; the peer rejects writes outside its registered
-  memory (the write fails in well under a millisecond).
-* A write that failed may still have landed partly (a stalled peer that resumes
-  reads what was already in its socket), so ``False`` means "not known complete",
-  never "nothing was written".
+  (library default 30 s; ``Engine(progress_timeout_s=...)`` sets it); a write to a
+  SIGKILLed peer, or outside the peer's registered memory, fails at once.
+* A failed write may have landed partly (a stalled peer that resumes reads what was
+  in its socket): ``False`` means "not known complete", never "nothing was written".
 * Engines do not survive ``fork``: an inherited engine hangs. Create one per process
   (spawn, or after fork); this wrapper refuses to be used from another pid.
 """
@@ -125,13 +126,11 @@ def _has_rdma_devices(te) -> bool:
         return False
 
     def any_name(x) -> bool:
-        if isinstance(x, str):
-            return bool(x)
         if isinstance(x, dict):
-            return any(any_name(v) for v in x.values())
+            x = list(x.values())
         if isinstance(x, (list, tuple)):
             return any(any_name(v) for v in x)
-        return False
+        return isinstance(x, str) and bool(x)
 
     return any_name(topo)
 
@@ -286,8 +285,8 @@ class Engine:
     """One Mooncake transfer engine (P2P handshake, no metadata server).
 
     ``session`` ("host:rpc_port") is what peers write to. ``register`` makes local
-    memory a write target (for TCP, sources need no registration; for RDMA they
-    do). ``write`` is synchronous; ``submit`` returns a ``Pending`` at once.
+    memory a write target, ``register_source`` a write source (see the module note
+    on who can then read it). ``write`` blocks; ``submit`` returns a ``Pending``.
 
     ``progress_timeout_s`` sets MC_TCP_PROGRESS_TIMEOUT_SEC (and the status timeout)
     in the process environment, which the library reads when an engine is created:
@@ -371,6 +370,8 @@ class Engine:
 
     # -- memory ------------------------------------------------------------
     def register(self, address: int, length: int) -> None:
+        """Make local memory a write target: peers write into it, and any peer that
+        reaches this engine can read it too."""
         self._usable()
         if address <= 0 or length <= 0:
             raise TransportError(f"cannot register address {address:#x} length {length}: "
@@ -385,6 +386,14 @@ class Engine:
                 raise TransportError(f"Mooncake register_memory({address:#x}, {length}) failed "
                                      f"with code {rc}")
             self._regs[address] = length
+
+    def register_source(self, address: int, length: int) -> None:
+        """Make local memory a source of this engine's writes. Over TCP nothing is
+        registered, so no peer can read or write it through us; over RDMA the NIC
+        needs it registered, and then every peer that reaches this engine can."""
+        self._usable()
+        if self.protocol == "rdma":
+            self.register(address, length)
 
     def unregister(self, address: int) -> None:
         """Stop accepting writes into the region. Writes into it that are in flight

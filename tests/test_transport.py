@@ -249,6 +249,32 @@ def test_write_outside_registered_memory_fails(receiver, sender, src):
     assert receiver.check([(64, 7, 8192)]) == []
 
 
+def test_a_tcp_source_is_not_registered_and_no_peer_reaches_it(receiver, sender, src):
+    """Over TCP a write needs only its destination registered: the source is not, so
+    a stranger's engine finds nothing of the sender's to read or write."""
+    from mooncake.engine import TransferEngine
+
+    s = fill(src, 0, 65_537, seed=21)
+    sender.register_source(src.ctypes.data, src.nbytes)
+    assert sender.registered == {}
+    sender.write(receiver.session, s, receiver.addr + 5, 65_537)
+    assert receiver.check([(5, 21, 65_537)]) == []
+
+    stranger = TransferEngine()
+    assert stranger.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert stranger.send_probe(sender.session) == 0                  # the session answers
+    assert stranger.get_first_buffer_address(sender.session) == 0    # with no buffer
+    stolen = np.zeros(4096, np.uint8)
+    assert stranger.transfer_sync_read(sender.session, stolen.ctypes.data, s, 4096) != 0
+    assert not stolen.any()
+    forged = np.full(4096, 0xA5, np.uint8)
+    assert stranger.transfer_sync_write(sender.session, forged.ctypes.data, s, 4096) != 0
+    assert np.array_equal(src[:65_537], pattern(21, 65_537))
+    sender.close(timeout=30)
+    with pytest.raises(TransportError, match="closed"):
+        sender.register_source(s, 4096)
+
+
 def test_unregistered_region_rejects_writes(receiver, sender, src):
     s = fill(src, 0, 4096, seed=3)
     sender.write(receiver.session, s, receiver.addr, 4096)
