@@ -4,13 +4,13 @@
     .venv/bin/python benchmarks/ring.py [--quick] [--json PATH]
 
 - records_per_s_vs_mp_queue: 64-byte records per second through the ring
-  (push_batch of 256, pop_batch) / the same records through multiprocessing.Queue,
+  (push_batch of 256, peek_batch + release) / the same records through multiprocessing.Queue,
   one put per record.  Best of a few trials each (the least disturbed run; every
   trial is in the JSON).  Extra: variable-size records (32..96 bytes) through the
   ring, and a Queue carrying lists of 256 records.
 - wake_latency_vs_raw_semaphore: p50 one-way latency from "producer reads
-  time.monotonic_ns() and pushes it" to "consumer, asleep in pop(), has the
-  record" / half the p50 round trip of a raw posix_ipc semaphore ping-pong between
+  time.monotonic_ns() and pushes it" to "consumer, asleep in peek_batch(), has taken
+  the record" / half the p50 round trip of a raw posix_ipc semaphore ping-pong between
   two processes.  The samples of both kinds (and of a raw one-way semaphore wake,
   extra) are interleaved with one child process, so both see the same machine.
   Between samples the waking side busy-waits ``gap`` seconds, so the sleeping side
@@ -154,8 +154,11 @@ def _ring_consumer(conn, run_id, what, n):
     ring = Ring.attach(PREFIX, run_id, what)
     conn.send("ready")
     got = 0
+    peek, release = ring.peek_batch, ring.release
     while got < n:
-        got += len(ring.pop_batch(1024, timeout=None))
+        recs, end = peek(1024, None)
+        release(end)
+        got += len(recs)
     t1 = time.monotonic()
     conn.send((t1, (got, ring.stats())))
     ring.close()
@@ -279,14 +282,15 @@ def _latency_child(conn, run_id, what, ping_name, pong_name, m):
     ts_seg = shm.Segment.attach(shm.object_name(PREFIX, run_id, "ts"))
     conn.send("ready")
     now = time.monotonic_ns
-    pop = ring.pop
+    peek, release = ring.peek_batch, ring.release
     unpack = _TS.unpack
     unpack_from = _TS.unpack_from
     ring_lat, raw_one_way = [], []
     for _ in range(m):
-        rec = pop(None)  # 1. asleep in the ring's pop
+        recs, end = peek(1, None)  # 1. asleep in the ring's peek
+        release(end)
         t = now()
-        ring_lat.append(t - unpack(rec)[0])
+        ring_lat.append(t - unpack(recs[0])[0])
         ping.acquire()  # 2. the ping-pong: answer at once
         pong.release()
         ping.acquire()  # 3. raw one-way: asleep on a bare semaphore
@@ -481,9 +485,10 @@ def _bulk_consumer(conn, run_id, what, k):
     ring = Ring.attach(PREFIX, run_id, what)
     conn.send("ready")
     nbytes = 0
-    buf = bytearray(BULK)  # reused, as a consumer of big records would (pop_into)
     for _ in range(k):
-        nbytes += ring.pop_into(buf, None)
+        recs, end = ring.peek_batch(1, None)
+        ring.release(end)
+        nbytes += len(recs[0])
     conn.send((time.monotonic(), (nbytes, ring.stats())))
     ring.close()
 

@@ -1,5 +1,8 @@
 """The records of ipc.ring: a 5-byte header, then the payload; a run of them is one pickle.
 
+Records lie end to end in a circular data area: one that runs past its end continues
+at its start (``write_at``, ``read_at``, ``length_at``).
+
 A record's header is the tag byte 0x42 and the payload length as u32.  The header
 is on purpose pickle's BINBYTES opcode: a run of records, framed as
 ``PROTO EMPTY_LIST MARK <records> APPENDS STOP``, is a pickle of the list of their
@@ -14,8 +17,8 @@ import pickle
 import struct
 from itertools import chain
 
-__all__ = ["RECORD_HEADER", "RECORD_TAG", "as_bytes_like", "frame", "header_of", "pack_header",
-           "unframe", "unpack_u32"]
+__all__ = ["RECORD_HEADER", "RECORD_TAG", "as_bytes_like", "frame", "header_of", "length_at",
+           "pack_header", "read_at", "unframe", "unpack_u32", "write_at"]
 
 RECORD_HEADER = 5  # tag byte + u32 payload length
 RECORD_TAG = 0x42  # pickle BINBYTES
@@ -69,3 +72,36 @@ def unframe(parts, nbytes: int) -> list[bytes]:
     if not ok:
         raise ValueError("do not add up")
     return out
+
+
+def write_at(data, index: int, blob, n: int) -> None:
+    """Copy ``blob`` (``n`` bytes) into the circular area ``data`` at ``index``."""
+    cap = len(data)
+    p = index % cap
+    e = p + n
+    if e <= cap:
+        data[p:e] = blob
+    else:
+        k = cap - p
+        mv = memoryview(blob)
+        data[p:cap] = mv[:k]
+        data[: e - cap] = mv[k:]
+
+
+def read_at(data, index: int, n: int) -> bytes:
+    """The ``n`` bytes at ``index`` of the circular area ``data``."""
+    cap = len(data)
+    p = index % cap
+    e = p + n
+    if e <= cap:
+        return data[p:e].tobytes()
+    return b"".join((data[p:cap], data[: e - cap]))
+
+
+def length_at(data, index: int) -> int:
+    """Payload length of the record at ``index`` of the circular area ``data``; -1 if
+    no record header is there."""
+    p = index % len(data)
+    if p + RECORD_HEADER > len(data):
+        data, p = read_at(data, index, RECORD_HEADER), 0
+    return unpack_u32(data, p + 1)[0] if data[p] == RECORD_TAG else -1

@@ -17,32 +17,27 @@ Records.  ``head`` and ``tail`` are monotonic byte indices (never wrapped); inde
 ``i`` lives at ``data[i % capacity]``.  A record (ipc.framing: a 5-byte header, then
 the payload) that runs past the end of the buffer continues at its start (it is
 copied in two parts), so all of ``capacity`` is usable and the largest record is
-``capacity - 5`` bytes.  A batch pop copies a run of records out and splits it with
+``capacity - 5`` bytes.  A batch peek copies a run of records out and splits it with
 one ``pickle.loads``.
 
 Publishing.  The producer copies headers and payloads into free space first and
-only then stores the new ``head``: one aligned 8-byte store.  Header words are
-accessed through a ``memoryview`` cast to ``'Q'`` over the mapping; CPython packs an
-item of it with a fixed-size 8-byte ``memcpy`` (``PACK_SINGLE``), which compiles to
-one ``mov``, exactly like a ctypes ``c_uint64`` store (reads are about three times
-cheaper than through ctypes; tests/test_ring.py checks that a reader in another
-process never sees a torn value).  A producer SIGKILLed at any instruction leaves
-either the old or the new ``head``, so a consumer never sees part of a record.  A
-batch is one ``bytes`` object (headers and payloads; for records of one size the
-header is simply the ``join`` separator) copied in with one or two slice copies.
-The consumer copies records out and only then stores the new ``tail``; until then
-they stay in the ring for whoever consumes next.  ``peek_batch`` + ``release`` let
-an exactly-once consumer log what it took before it gives the space back.
+only then stores the new ``head``: one aligned 8-byte store (the other header words
+go through a ``memoryview`` cast to ``'Q'``, also one 8-byte store each; tests check
+that a reader never sees a torn value).  A producer SIGKILLed at any instruction
+leaves either the old or the new ``head``, so a consumer never sees part of a record.  A batch is one ``bytes`` object (headers and
+payloads; for records of one size the header is simply the ``join`` separator)
+copied in with one or two slice copies.  The consumer copies records out and only
+then stores the new ``tail``; until then they stay in the ring for whoever consumes
+next.  ``peek_batch`` + ``release`` let an exactly-once consumer log what it took
+before it gives the space back; ``release_one`` gives back records one at a time.
 
-Memory ordering.  Correct on x86-64, whose TSO model keeps stores in order with
-stores and loads in order with loads, and never lets a store pass an earlier load:
-a consumer that loads the new ``head`` sees the payload stored before it, and a
-producer that loads the new ``tail`` knows the consumer's reads of that space are
-done.  (The C compiler cannot reorder them either: each copy and each index store
-is a separate call from the interpreter.  A weakly ordered CPU would need release
-stores and acquire loads, which CPython cannot express; this module assumes x86-64.)
-The one reordering TSO does allow -- a store followed by a load of another location
--- is the one the sleeper handshake must rule out, hence its explicit fences.
+Memory ordering (ipc.ordering).  ``head`` and ``tail`` are stored with release
+stores and loaded with acquire loads: a consumer that loads the new ``head`` sees
+every byte stored before it (the records, and the arena bytes a record points at,
+written before the push), and a producer that loads the new ``tail`` knows the
+consumer's reads of that space are done.  Plain moves on x86-64 (TSO); on aarch64
+the barriers without which a consumer could read the bytes of a lap before.  The
+sleeper handshake adds full fences (ipc.sleepers).
 
 Counters.  ``pushed``/``popped`` (records) cannot share one store with
 ``head``/``tail``, so each side first brings ``pushed`` up to date if a predecessor
@@ -66,8 +61,9 @@ from itertools import accumulate
 import posix_ipc
 
 from ipc import shm
-from ipc.framing import RECORD_HEADER, RECORD_TAG, as_bytes_like, frame, header_of, pack_header, \
-    unframe, unpack_u32
+from ipc.framing import RECORD_HEADER, RECORD_TAG, as_bytes_like, frame, header_of, length_at, \
+    pack_header, read_at, unframe, unpack_u32, write_at
+from ipc.ordering import Words, check_cpu
 from ipc.sleepers import sleep_until, wake
 from ipc.sleepers import wait_any as _wait_any
 
@@ -127,8 +123,10 @@ class Ring:
         self._data_sem = data_sem
         self._space_sem = space_sem
         q = seg.buf[:DATA_OFFSET].cast("Q")
-        if q[_MAGIC] != MAGIC or q[_VERSION] != VERSION:
+        words = Words(q)
+        if words.load_acquire(_MAGIC) != MAGIC or q[_VERSION] != VERSION:  # pairs with create's release
             magic = q[_MAGIC]
+            words.release()
             q.release()
             raise RingError(
                 f"segment {seg.name!r} is not a version-{VERSION} ring (magic {magic:#x}); "
@@ -141,11 +139,16 @@ class Ring:
             or q[_RECORD_HEADER] != RECORD_HEADER
             or seg.size < DATA_OFFSET + self.capacity
         ):
+            words.release()
             q.release()
             raise RingError(
                 f"ring {seg.name!r} is inconsistent: {seg.size} bytes for capacity {self.capacity}"
             )
         self._q = q
+        # head and tail, the words the other side reads, go through these (ipc.ordering)
+        self._words = words
+        self._load_acquire = words.load_acquire
+        self._store_release = words.store_release
         self._data = seg.buf[DATA_OFFSET:DATA_OFFSET + self.capacity]
         # The waiting-flag value each side last posted for (at most one post per sleep).
         self._data_posted_for = 0
@@ -168,6 +171,7 @@ class Ring:
         ``doorbell``: the name of an existing semaphore to wake the consumer with
         instead of a data semaphore of the ring's own: a consumer of several rings
         gives them all its doorbell and sleeps on it in ``wait_any``."""
+        check_cpu()
         capacity = int(capacity)
         if not MIN_CAPACITY <= capacity <= MAX_CAPACITY:
             raise ValueError(
@@ -183,7 +187,9 @@ class Ring:
             q[_MAX_RECORD] = min(capacity - RECORD_HEADER, 0xFFFFFFFF)
             q[_DATA_OFFSET] = DATA_OFFSET
             q[_RECORD_HEADER] = RECORD_HEADER
-            q[_MAGIC] = MAGIC  # last: whoever sees it sees the rest
+            words = Words(q)
+            words.store_release(_MAGIC, MAGIC)  # last: whoever sees it sees the rest
+            words.release()
             q.release()
             if doorbell:
                 sems.append(shm.open_semaphore(names[1]))
@@ -225,12 +231,12 @@ class Ring:
     @property
     def head(self) -> int:
         """Write index: bytes ever published (monotonic)."""
-        return self._q[_HEAD]
+        return self._load_acquire(_HEAD)
 
     @property
     def tail(self) -> int:
         """Read index: bytes ever released (monotonic)."""
-        return self._q[_TAIL]
+        return self._load_acquire(_TAIL)
 
     def _pushed(self) -> int:
         q = self._q
@@ -266,45 +272,13 @@ class Ring:
             "producer_waiting": bool(q[_PWAIT] & 1),
         }
 
-    # --- raw copies -------------------------------------------------------------
-    def _write(self, index: int, blob, n: int) -> None:
-        cap = self.capacity
-        p = index % cap
-        e = p + n
-        if e <= cap:
-            self._data[p:e] = blob
-        else:
-            k = cap - p
-            mv = memoryview(blob)
-            self._data[p:cap] = mv[:k]
-            self._data[: e - cap] = mv[k:]
-
-    def _read(self, index: int, n: int) -> bytes:
-        cap = self.capacity
-        p = index % cap
-        e = p + n
-        d = self._data
-        if e <= cap:
-            return d[p:e].tobytes()
-        return b"".join((d[p:cap], d[: e - cap]))
-
+    # --- records in the data area ---------------------------------------------
     def _len_at(self, index: int) -> int:
         """Payload length of the record at ``index`` (checks its tag)."""
-        cap = self.capacity
-        p = index % cap
-        if p + RECORD_HEADER <= cap:
-            d = self._data
-            if d[p] == RECORD_TAG:
-                return unpack_u32(d, p + 1)[0]
-        else:
-            hdr = self._read(index, RECORD_HEADER)
-            if hdr[0] == RECORD_TAG:
-                return unpack_u32(hdr, 1)[0]
-        q = self._q
-        raise RingError(
-            f"ring {self.name!r} is corrupt: no record header at index {index} "
-            f"(tail {q[_TAIL]}, head {q[_HEAD]})"
-        )
+        n = length_at(self._data, index)
+        if n < 0:
+            raise self._corrupt(index, "no record header")
+        return n
 
     def _corrupt(self, at: int, what: str) -> RingError:
         q = self._q
@@ -327,15 +301,18 @@ class Ring:
         pushed += n
         q[_PEND_HEAD] = new_head
         q[_PEND_PUSHED] = pushed
-        q[_HEAD] = new_head  # THE publish: one aligned 8-byte store, after every payload byte
+        # THE publish.  A release store: every byte this process stored before it -- the
+        # records, and the arena bytes a record points at, written before the push -- is
+        # visible to whoever loads this head (with an acquire load) before the head is.
+        self._store_release(_HEAD, new_head)
         if wake_consumer:
             self._data_posted_for = wake(q, _CWAIT, self._data_posted_for, self._data_sem, _DATA_POSTS)
         q[_PUSHED] = pushed
 
     def _wait_space(self, need: int, timeout: float | None) -> bool:
         """Wait until ``need`` bytes are free; False on timeout."""
-        q, cap = self._q, self.capacity
-        return sleep_until(q, lambda: cap - (q[_HEAD] - q[_TAIL]) >= need, timeout,
+        q, cap, tail = self._q, self.capacity, self._load_acquire
+        return sleep_until(q, lambda: cap - (q[_HEAD] - tail(_TAIL)) >= need, timeout,
                            _PWAIT, _PSLEEPS, self._space_sem)
 
     def push(self, record, timeout: float | None = 0.0) -> bool:
@@ -347,15 +324,15 @@ class Ring:
         if n > self.max_record:
             raise self._too_large(n)
         need = n + RECORD_HEADER
-        q = self._q
-        head = q[_HEAD]
-        if self.capacity - (head - q[_TAIL]) < need and not self._wait_space(need, timeout):
+        head = self._q[_HEAD]
+        # an acquire load: the consumer's reads of the space it frees are done before we write
+        if self.capacity - (head - self._load_acquire(_TAIL)) < need and not self._wait_space(need, timeout):
             return False
         if n <= _JOIN_MAX_AVG:
-            self._write(head, header_of(n) + record, need)
+            write_at(self._data, head, header_of(n) + record, need)
         else:
-            self._write(head, pack_header(RECORD_TAG, n), RECORD_HEADER)
-            self._write(head + RECORD_HEADER, record, n)
+            write_at(self._data, head, pack_header(RECORD_TAG, n), RECORD_HEADER)
+            write_at(self._data, head + RECORD_HEADER, record, n)
         self._publish(head + need, 1)
         return True
 
@@ -382,8 +359,9 @@ class Ring:
         nbytes += RECORD_HEADER * total
         q = self._q
         cap = self.capacity
+        tail = self._load_acquire  # as in push
         head = q[_HEAD]
-        if nbytes <= cap - (head - q[_TAIL]):  # all fit: the common case
+        if nbytes <= cap - (head - tail(_TAIL)):  # all fit: the common case
             self._write_records(head, records, lens, nbytes)
             self._publish(head + nbytes, total, wake_consumer)
             return total
@@ -394,7 +372,7 @@ class Ring:
         start = 0
         while True:
             head = q[_HEAD]
-            stop = bisect_right(ends, ends[start] + cap - (head - q[_TAIL]), start + 1) - 1
+            stop = bisect_right(ends, ends[start] + cap - (head - tail(_TAIL)), start + 1) - 1
             if stop > start:
                 nbytes = ends[stop] - ends[start]
                 if start == 0 and stop == total:
@@ -419,21 +397,19 @@ class Ring:
     def _write_records(self, head: int, records, lens, nbytes: int) -> None:
         k = len(lens)
         if nbytes <= _JOIN_MAX_AVG * k:
-            self._write(head, frame(records, lens), nbytes)
+            write_at(self._data, head, frame(records, lens), nbytes)
         else:
             at = head
             for rec, n in zip(records, lens):
-                self._write(at, pack_header(RECORD_TAG, n), RECORD_HEADER)
-                self._write(at + RECORD_HEADER, rec, n)
+                write_at(self._data, at, pack_header(RECORD_TAG, n), RECORD_HEADER)
+                write_at(self._data, at + RECORD_HEADER, rec, n)
                 at += RECORD_HEADER + n
 
     # --- consumer side ----------------------------------------------------------
     def _wait_data(self, timeout: float | None) -> bool:
         """Wait until the ring holds a record; False on timeout."""
-        q = self._q
-        if q[_HEAD] != q[_TAIL]:  # the common case, without building a closure
-            return True
-        return sleep_until(q, lambda: q[_HEAD] != q[_TAIL], timeout, _CWAIT, _CSLEEPS, self._data_sem)
+        q, head = self._q, self._load_acquire
+        return sleep_until(q, lambda: head(_HEAD) != q[_TAIL], timeout, _CWAIT, _CSLEEPS, self._data_sem)
 
     def _release(self, tail: int, end: int, count: int) -> None:
         q = self._q
@@ -443,7 +419,9 @@ class Ring:
         popped += count
         q[_PEND_TAIL] = end
         q[_PEND_POPPED] = popped
-        q[_TAIL] = end  # one aligned 8-byte store, after every read of that space
+        # One aligned 8-byte store, and a release: every read of that space is done
+        # before the producer (loading tail with an acquire load) can write into it.
+        self._store_release(_TAIL, end)
         self._space_posted_for = wake(q, _PWAIT, self._space_posted_for, self._space_sem, _SPACE_POSTS)
         q[_POPPED] = popped
         if self._rd_at == tail:  # keep the parsed records in step
@@ -456,89 +434,29 @@ class Ring:
                 self._rd_recs = _NO_RECORDS
         self._peeked = None
 
-    def pop(self, timeout: float | None = 0.0) -> bytes | None:
-        """Take the oldest record; None if none arrived within ``timeout`` seconds."""
-        q = self._q
-        tail = q[_TAIL]
-        if self._rd_at == tail:
-            rec = self._rd_recs[self._rd_i]
-            self._release(tail, tail + RECORD_HEADER + len(rec), 1)
-            return rec
-        if q[_HEAD] == tail and not self._wait_data(timeout):
-            return None
-        cap = self.capacity
-        d = self._data
-        p = tail % cap + RECORD_HEADER
-        if p <= cap and d[p - RECORD_HEADER] == RECORD_TAG:
-            n = unpack_u32(d, p - 4)[0]
-        else:
-            n = self._len_at(tail)
-        end = tail + RECORD_HEADER + n
-        if end > q[_HEAD]:
-            raise self._corrupt(tail, f"record of {n} bytes runs past head")
-        e = p + n
-        rec = d[p:e].tobytes() if e <= cap else self._read(tail + RECORD_HEADER, n)
-        self._release(tail, end, 1)
-        return rec
-
-    def pop_into(self, buffer, timeout: float | None = 0.0) -> int | None:
-        """Copy the oldest record into ``buffer`` (writable, large enough) and take it;
-        return its length, or None if none arrived within ``timeout`` seconds. For big
-        records: a reused buffer is not page-faulted anew, as a fresh ``bytes`` is."""
-        q = self._q
-        tail = q[_TAIL]
-        if self._rd_at == tail:  # parsed by an earlier batch call: it is in hand already
-            rec = self.pop(0.0)
-            out = memoryview(buffer).cast("B")
-            out[:len(rec)] = rec
-            return len(rec)
-        if q[_HEAD] == tail and not self._wait_data(timeout):
-            return None
-        n = self._len_at(tail)
-        end = tail + RECORD_HEADER + n
-        if end > q[_HEAD]:
-            raise self._corrupt(tail, f"record of {n} bytes runs past head")
-        out = memoryview(buffer).cast("B")
-        if len(out) < n:
-            raise ValueError(f"pop_into: the record has {n} bytes, the buffer {len(out)}")
-        cap, d = self.capacity, self._data
-        p = (tail + RECORD_HEADER) % cap
-        first = min(n, cap - p)
-        out[:first] = d[p:p + first]
-        if first < n:
-            out[first:n] = d[: n - first]
-        self._release(tail, end, 1)
-        return n
-
     def peek_batch(self, max_records: int = 1024, timeout: float | None = 0.0) -> tuple[list[bytes], int]:
         """Up to ``max_records`` oldest records, without consuming them, and the read
         index just after them (for ``release``); ``([], tail)`` on timeout.  Returns as
         soon as at least one record is there."""
-        out, tail, end = self._peek(max_records, timeout)
-        self._peeked = (tail, end, len(out))
-        return out, end
-
-    def pop_batch(self, max_records: int = 1024, timeout: float | None = 0.0) -> list[bytes]:
-        """Take up to ``max_records`` oldest records; [] if none arrived within
-        ``timeout`` seconds.  Returns as soon as at least one record is there."""
-        out, tail, end = self._peek(max_records, timeout)
-        if out:
-            self._release(tail, end, len(out))
-        return out
-
-    def _peek(self, max_records: int, timeout: float | None) -> tuple[list[bytes], int, int]:
         if max_records < 1:
             raise ValueError(f"max_records must be >= 1, not {max_records}")
-        q = self._q
-        tail = q[_TAIL]
+        tail = self._q[_TAIL]
         if self._rd_at == tail:
             i = self._rd_i
             out = self._rd_recs[i:i + max_records]
-            return out, tail, tail + RECORD_HEADER * len(out) + sum(map(len, out))
-        if q[_HEAD] == tail and (timeout is not None and timeout <= 0 or not self._wait_data(timeout)):
-            return [], tail, tail
-        out, nbytes = self._parse(tail, q[_HEAD] - tail, max_records)
-        return out, tail, tail + nbytes
+            end = tail + RECORD_HEADER * len(out) + sum(map(len, out))
+        else:
+            # an acquire load: the records' bytes are read after it, so they are the ones
+            # the producer stored before it published this head
+            head = self._load_acquire(_HEAD)
+            if head == tail:
+                if timeout is not None and timeout <= 0 or not self._wait_data(timeout):
+                    return [], tail
+                head = self._load_acquire(_HEAD)
+            out, nbytes = self._parse(tail, head - tail, max_records)
+            end = tail + nbytes
+        self._peeked = (tail, end, len(out))
+        return out, end
 
     def _parse(self, tail: int, avail: int, max_records: int) -> tuple[list[bytes], int]:
         """Copy whole records out from ``tail`` (at most ``_PARSE_LIMIT`` bytes, at least
@@ -549,7 +467,7 @@ class Ring:
         if first > avail:
             raise self._corrupt(tail, f"record of {n} bytes runs past head")
         if first >= _DIRECT or first == avail:
-            return [self._read(tail + RECORD_HEADER, n)], first
+            return [read_at(self._data, tail + RECORD_HEADER, n)], first
         take = avail if avail <= _PARSE_LIMIT else self._boundary(tail, _PARSE_LIMIT)
         cap = self.capacity
         p = tail % cap
@@ -569,7 +487,7 @@ class Ring:
 
     def _boundary(self, tail: int, limit: int) -> int:
         """Bytes from ``tail`` to the last record boundary within ``limit`` bytes."""
-        data = self._read(tail, limit)
+        data = read_at(self._data, tail, limit)
         at = 0
         while at + RECORD_HEADER <= limit:
             if data[at] != RECORD_TAG:
@@ -583,11 +501,10 @@ class Ring:
     def release(self, end: int) -> None:
         """Consume every record before read index ``end``: a record boundary between
         ``tail`` and ``head``, such as the index ``peek_batch`` returned."""
-        q = self._q
-        tail = q[_TAIL]
+        tail = self._q[_TAIL]
         if end == tail:
             return
-        head = q[_HEAD]
+        head = self._load_acquire(_HEAD)  # the headers counted below were stored before it
         if not tail < end <= head:
             raise RingError(
                 f"release({end}) on ring {self.name!r} is outside the unconsumed range "
@@ -599,6 +516,21 @@ class Ring:
         else:
             count = self._count_records(tail, end)
         self._release(tail, end, count)
+
+    def release_one(self) -> None:
+        """Consume the oldest record (one ``peek_batch`` returned): for a consumer that
+        gives records back one at a time, as it finishes each."""
+        tail = self._q[_TAIL]
+        if self._rd_at == tail:
+            n = len(self._rd_recs[self._rd_i])
+        else:
+            head = self._load_acquire(_HEAD)  # its header was stored before it
+            if head == tail:
+                raise RingError(f"release_one() on ring {self.name!r}, which holds no record (tail {tail})")
+            n = self._len_at(tail)
+            if tail + RECORD_HEADER + n > head:
+                raise self._corrupt(tail, f"record of {n} bytes runs past head")
+        self._release(tail, tail + RECORD_HEADER + n, 1)
 
     def _count_records(self, start: int, end: int) -> int:
         count = 0
@@ -619,6 +551,7 @@ class Ring:
         if self._seg is None:
             return
         self._rd_recs = _NO_RECORDS
+        self._words.release()  # it holds a view of _q
         self._q.release()
         self._data.release()
         for s in (self._data_sem, self._space_sem):

@@ -6,11 +6,14 @@ ticket number), issues a full fence, re-checks the other side's index, and only
 then waits on its semaphore, for at most ``WAIT_SLICE`` seconds at a time.  The
 other side, after storing its index, issues a full fence, loads the flag, and posts
 only if the sleeper is waiting and it has not posted for that ticket yet: at most
-one post per sleep, however many records follow.  That is Dekker's pattern: x86-64
-(TSO) lets a store be reordered with a later load of another location, so without
-the fences each side's store could still sit in its store buffer while it loads
-the other's stale value, both would miss each other, and the sleeper would sleep a
-whole slice.  Sleepers re-check the indices after every wake-up and every slice, so
+one post per sleep, however many records follow.  That is Dekker's pattern: every
+CPU, x86-64 (TSO) included, lets a store be reordered with a later load of another
+location, so without the fences each side's store could still sit in its store
+buffer while it loads the other's stale value, both would miss each other, and the
+sleeper would sleep a whole slice.  The fence is ipc.ordering's, a full barrier
+(``mfence``, ``dmb ish``); a lock's acquire and release would not do, being on a
+weakly ordered CPU only an acquire and a release, which keep no store before a
+later load.  Sleepers re-check the indices after every wake-up and every slice, so
 a lost post costs at most one slice and an extra post one spurious re-check;
 neither can hang a sleeper or conjure a record.
 
@@ -22,11 +25,11 @@ words it uses, so the layout stays the ring's.
 """
 from __future__ import annotations
 
-import os
-import threading
 import time
 
 import posix_ipc
+
+from ipc.ordering import fence
 
 __all__ = ["WAIT_SLICE", "sleep_until", "wait_any", "wake"]
 
@@ -36,35 +39,12 @@ _monotonic = time.monotonic
 _BusyError = posix_ipc.BusyError
 _SignalError = posix_ipc.SignalError
 
-# --- full memory fence ------------------------------------------------------------
-# CPython has no fence primitive.  Acquiring and releasing an uncontended
-# threading.Lock runs sem_trywait + sem_post in glibc, i.e. a `lock cmpxchg` and a
-# `lock`-prefixed add; on x86 every locked instruction is a full barrier, so no
-# store before it can be reordered with a load after it.  That is what the handshake
-# needs between "store my flag / my index" and "load the other side's index / flag".
-# The lock guards nothing else and is never held, so it never blocks.
-_fence_lock = threading.Lock()
-_fence_acquire = _fence_lock.acquire
-_fence_release = _fence_lock.release
-
-
-def _reset_fence_after_fork() -> None:
-    # a fork while another thread was inside the fence would copy a held lock
-    global _fence_lock, _fence_acquire, _fence_release
-    _fence_lock = threading.Lock()
-    _fence_acquire = _fence_lock.acquire
-    _fence_release = _fence_lock.release
-
-
-os.register_at_fork(after_in_child=_reset_fence_after_fork)
-
 
 def wake(q, flag: int, posted_for: int, sem, posts: int) -> int:
     """The waker's half, called right after its index store: post ``sem`` if the
     ``flag`` word says the other side sleeps and no post went to that ticket yet
     (counted in word ``posts``).  Returns the flag value posted for."""
-    _fence_acquire()  # full fence: the index store before the flag load
-    _fence_release()
+    fence()  # the index store (a release store, not enough alone) before the flag load
     f = q[flag]
     if f & 1 and f != posted_for:
         sem.release()
@@ -86,8 +66,7 @@ def sleep_until(q, ready, timeout: float | None, flag: int, sleeps: int, sem) ->
     while True:
         ticket = (q[flag] >> 1) + 1
         q[flag] = (ticket << 1) | 1
-        _fence_acquire()  # full fence: the flag store before the index load
-        _fence_release()
+        fence()  # the flag store before the index load
         if ready():
             q[flag] = ticket << 1
             return True
@@ -125,8 +104,7 @@ def wait_any(views: list, doorbell, timeout: float, head: int, tail: int, flag: 
         ticket = (q[flag] >> 1) + 1
         q[flag] = (ticket << 1) | 1
         tickets.append(ticket)
-    _fence_acquire()
-    _fence_release()
+    fence()  # the flag stores before the index loads
     try:
         for q in views:
             if q[head] != q[tail]:

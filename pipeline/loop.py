@@ -169,7 +169,7 @@ class RingChannel:
             if stage.settle_each_record:
                 for raw in recs:
                     stage.handle(src, pickle.loads(raw))
-                    settle(stage, lambda n=len(raw): ring.release(ring.tail + RECORD_HEADER + n))
+                    settle(stage, ring.release_one)
                 continue
             for raw in recs:
                 stage.handle(src, pickle.loads(raw))

@@ -37,6 +37,22 @@ def _footprint(records) -> int:
     return sum(H + len(r) for r in records)
 
 
+def take(r: Ring, max_records: int = 1024, timeout: float | None = 0.0) -> list[bytes]:
+    """Consume up to ``max_records`` oldest records: peek them, then release them all."""
+    recs, end = r.peek_batch(max_records, timeout)
+    r.release(end)
+    return recs
+
+
+def take_one(r: Ring, timeout: float | None = 0.0) -> bytes | None:
+    """Consume the oldest record (None if none came within ``timeout``) with release_one."""
+    recs, _ = r.peek_batch(1, timeout)
+    if not recs:
+        return None
+    r.release_one()
+    return recs[0]
+
+
 @pytest.fixture
 def make_ring(shm_prefix):
     """Ring factory; unlinks (and closes) everything it made."""
@@ -161,9 +177,9 @@ class RingMachine(RuleBasedStateMachine):
 
     # consumer rules
     @rule()
-    def pop(self):
+    def take_one(self):
         expected = self.model.popleft() if self.model else None
-        assert self.cons.pop() == expected
+        assert take_one(self.cons) == expected
 
     def check_batch(self, got, m):
         """``got`` is a non-empty prefix of the model of at most ``m`` records (exactly
@@ -175,11 +191,26 @@ class RingMachine(RuleBasedStateMachine):
             assert 1 <= len(got) <= m and got == expected[: len(got)]
 
     @rule(m=st.integers(1, 10))
-    def pop_batch(self, m):
-        got = self.cons.pop_batch(m)
+    def take(self, m):
+        got = take(self.cons, m)
         self.check_batch(got, m)
         for _ in got:
             self.model.popleft()
+
+    @rule(m=st.integers(1, 10), j=st.integers(0, 10), same_handle=st.booleans())
+    def peek_then_release_one_at_a_time(self, m, j, same_handle):
+        recs, _ = self.cons.peek_batch(m)
+        self.check_batch(recs, m)
+        if not same_handle:  # a successor gives back what its predecessor had peeked
+            self.cons.close()
+            self.cons = _attach_like(self.ring)
+        for _ in range(min(j, len(recs))):
+            tail = self.cons.tail
+            self.cons.release_one()
+            assert self.cons.tail == tail + H + len(self.model.popleft())
+        if not self.model:
+            with pytest.raises(RingError, match="holds no record"):
+                self.cons.release_one()
 
     @rule(m=st.integers(1, 10), j=st.integers(0, 10), same_handle=st.booleans())
     def peek_then_release(self, m, j, same_handle):
@@ -216,8 +247,8 @@ class RingMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.ring is not None and not self.model)
     def blocking_pop_on_empty(self):
         self.cons._data_sem.release()  # an extra post must not make a record
-        assert self.cons.pop(timeout=0.001) is None
-        assert self.cons.pop_batch(timeout=0.001) == []
+        assert take_one(self.cons, timeout=0.001) is None
+        assert take(self.cons, timeout=0.001) == []
         assert self.cons.peek_batch(timeout=0.001) == ([], self.cons.tail)
 
     @rule(n=st.integers(1, 3))
@@ -236,7 +267,7 @@ class RingMachine(RuleBasedStateMachine):
             return
         q, head = self.prod._q, self.prod.head
         pushed = self.prod._pushed()
-        self.prod._write(head, framing.pack_header(framing.RECORD_TAG, len(rec)) + rec, H + len(rec))
+        framing.write_at(self.prod._data, head, framing.pack_header(framing.RECORD_TAG, len(rec)) + rec, H + len(rec))
         new_head = head + H + len(rec)
         order = [
             ("repair", ring_mod._PUSHED, pushed),
@@ -341,7 +372,7 @@ def test_names_and_unlink(shm_prefix):
     r2 = Ring.attach(shm_prefix, run_id, "edge.a")
     assert r2.capacity == 4096 and r2.max_record == 4096 - H
     r.push(b"x")
-    assert r2.pop() == b"x"
+    assert take_one(r2) == b"x"
     r2.close()
     r2.close()  # idempotent
     r.unlink()
@@ -383,7 +414,7 @@ def test_record_too_large_names_sizes(make_ring):
     assert r.push(b"m" * 95) is True  # max_record fills the whole ring
     assert r.head - r.tail == r.capacity
     assert r.push(b"") is False and r.push_batch([b""]) == 0
-    assert r.pop() == b"m" * 95
+    assert take_one(r) == b"m" * 95
 
 
 def test_full_ring_blocks_then_gives_up_without_overwriting(make_ring):
@@ -393,14 +424,14 @@ def test_full_ring_blocks_then_gives_up_without_overwriting(make_ring):
     assert r.push(b"z", timeout=0.05) is False
     assert r.push_batch([b"z", b"y"], timeout=0.05) == 0
     assert r.stats()["producer_sleeps"] >= 1
-    assert r.pop_batch() == recs
+    assert take(r) == recs
     assert r.stats()["producer_waiting"] is False
 
 
 def test_blocking_pop_on_empty_ring_times_out(make_ring):
     r = make_ring(1024)
-    assert r.pop(timeout=0.05) is None
-    assert r.pop_batch(timeout=0.05) == []
+    assert take_one(r, timeout=0.05) is None
+    assert take(r, timeout=0.05) == []
     assert r.peek_batch(timeout=0.05) == ([], 0)
     st_ = r.stats()
     assert st_["consumer_sleeps"] >= 3 and st_["consumer_waiting"] is False
@@ -410,14 +441,14 @@ def test_extra_posts_make_no_records(make_ring):
     r = make_ring(64)
     for _ in range(5):
         r._data_sem.release()
-    assert r.pop(timeout=0.05) is None
-    assert r.pop_batch(timeout=0.05) == []
+    assert take_one(r, timeout=0.05) is None
+    assert take(r, timeout=0.05) == []
     assert r.depth() == 0 and r.head == 0
     assert r.push_batch([_rec(i, 11) for i in range(4)]) == 4
     for _ in range(5):
         r._space_sem.release()
     assert r.push(b"z", timeout=0.05) is False  # spurious wake-ups, still full
-    assert [len(x) for x in r.pop_batch()] == [11] * 4
+    assert [len(x) for x in take(r)] == [11] * 4
     assert r.stats()["pushed"] == 4 == r.stats()["popped"]
 
 
@@ -433,7 +464,7 @@ def test_release_rules(make_ring):
         r.release(H + 1)
     r.release(0)  # no-op
     r.release(_footprint(recs[:2]))  # not the peeked end: counted by walking headers
-    assert r.depth() == 4 and r.pop() == recs[2]
+    assert r.depth() == 4 and take_one(r) == recs[2]
     other = _attach_like(r)  # a successor releases without having peeked
     other.release(r.head)
     assert r.depth() == 0 and r.stats()["popped"] == 6
@@ -441,7 +472,7 @@ def test_release_rules(make_ring):
         other.release(0)
     other.close()
     with pytest.raises(ValueError):
-        r.pop_batch(0)
+        r.peek_batch(0)
 
 
 def test_buffer_records(make_ring):
@@ -449,7 +480,7 @@ def test_buffer_records(make_ring):
     a = array.array("i", [1, 2, 3])
     assert r.push(memoryview(a)) and r.push(bytearray(b"ba")) and r.push(a)
     assert r.push_batch([a, memoryview(b"mv"), bytearray(b"x")]) == 3
-    assert r.pop_batch() == [a.tobytes(), b"ba", a.tobytes(), a.tobytes(), b"mv", b"x"]
+    assert take(r) == [a.tobytes(), b"ba", a.tobytes(), a.tobytes(), b"mv", b"x"]
 
 
 def test_wrapping_large_records_round_trip(make_ring):
@@ -459,7 +490,7 @@ def test_wrapping_large_records_round_trip(make_ring):
     for i, n in enumerate(sizes):
         rec = _rec(i, n)
         assert r.push(rec)
-        assert r.pop() == rec if i % 2 else r.pop_batch() == [rec]
+        assert take_one(r) == rec if i % 2 else take(r) == [rec]
     assert r.head > 4 * r.capacity and r.depth() == 0
 
 
@@ -477,7 +508,7 @@ def test_big_backlog_of_small_records(make_ring):
         out.extend(got)
         r.release(end)
         if len(out) % 3000 == 0:
-            out.append(r.pop())
+            out.append(take_one(r))
     assert out == recs and r.depth() == 0
 
 
@@ -486,22 +517,26 @@ def test_corruption_is_an_error_not_a_record(make_ring):
     r.push_batch([b"abc", b"defg"])
     r._data[0] = 0x00  # clobber the first record's tag
     with pytest.raises(RingError, match="corrupt"):
-        r.pop()
+        take_one(r)
     with pytest.raises(RingError, match="corrupt"):
-        r.pop_batch()
+        r.release_one()
+    with pytest.raises(RingError, match="corrupt"):
+        take(r)
     r._data[0] = framing.RECORD_TAG
     r._data[1] = 200  # a length running past head
     with pytest.raises(RingError, match="corrupt"):
-        r.pop_batch()
+        take(r)
+    with pytest.raises(RingError, match="corrupt"):
+        r.release_one()
     r._data[1] = 3
-    assert r.pop_batch() == [b"abc", b"defg"]
+    assert take(r) == [b"abc", b"defg"]
 
 
 def test_sleepers_wake_across_threads(make_ring):
     r = make_ring(64)
     cons = _attach_like(r)
     got = []
-    t = threading.Thread(target=lambda: got.append(cons.pop(timeout=None)))
+    t = threading.Thread(target=lambda: got.append(take_one(cons, timeout=None)))
     t.start()
     while not r.stats()["consumer_waiting"] and t.is_alive():  # let it fall asleep
         threading.Event().wait(0.001)
@@ -516,10 +551,10 @@ def test_sleepers_wake_across_threads(make_ring):
     t.start()
     while not r.stats()["producer_waiting"] and t.is_alive():
         threading.Event().wait(0.001)
-    assert len(cons.pop_batch()) == 4
+    assert len(take(cons)) == 4
     t.join(30)
     assert not t.is_alive() and done == [True]
-    assert cons.pop() == b"late"
+    assert take_one(cons) == b"late"
     assert r.stats()["space_posts"] >= 1
     cons.close()
 
@@ -530,7 +565,7 @@ def test_unhurried_records_leave_a_sleeping_consumer_asleep(make_ring):
     r = make_ring(4096)
     cons = _attach_like(r)
     got = []
-    t = threading.Thread(target=lambda: got.append(cons.pop_batch(8, timeout=None)))
+    t = threading.Thread(target=lambda: got.append(take(cons, 8, timeout=None)))
     t.start()
     while not r.stats()["consumer_waiting"] and t.is_alive():
         threading.Event().wait(0.001)
@@ -540,7 +575,7 @@ def test_unhurried_records_leave_a_sleeping_consumer_asleep(make_ring):
     assert not t.is_alive() and got == [[b"quiet"]]
 
     got.clear()
-    t = threading.Thread(target=lambda: got.append(cons.pop_batch(8, timeout=None)))
+    t = threading.Thread(target=lambda: got.append(take(cons, 8, timeout=None)))
     t.start()
     while not r.stats()["consumer_waiting"] and t.is_alive():
         threading.Event().wait(0.001)
@@ -572,7 +607,7 @@ def test_batching_needs_far_fewer_posts_than_records(make_ring):
     t.start()
     got = 0
     while got < n:
-        out = cons.pop_batch(1024, timeout=30)
+        out = take(cons, 1024, timeout=30)
         assert out, "consumer starved"
         assert out[0] == recs[got % batch]
         got += len(out)
@@ -603,12 +638,14 @@ def test_push_batch_publishes_once_per_round(make_ring, monkeypatch):
     k = r.push_batch(recs[200:], timeout=0)
     assert 0 < k < 200 and stores == [200, k]
     assert r.head - r.tail + H + len(recs[200 + k]) > r.capacity  # the next one did not fit
-    assert r.pop_batch(1000) == recs[: 200 + k]
+    assert take(r, 1000) == recs[: 200 + k]
 
 
-def test_index_store_is_never_torn(shm_prefix):
-    """Header words are written with one 8-byte store each: a reader in another
-    process never sees a mix of two values (a byte-wise copy would show up here)."""
+@pytest.mark.parametrize("words", ["memoryview", "release and acquire"])
+def test_index_store_is_never_torn(shm_prefix, words):
+    """Header words are written with one 8-byte store each, through the memoryview
+    (counters) or ipc.ordering (head and tail): a reader in another process never sees
+    a mix of two values (a byte-wise copy would show up here)."""
     import multiprocessing as mp
 
     a, b = 0x0123456789ABCDEF, 0xFEDCBA9876543210  # every byte differs
@@ -616,12 +653,14 @@ def test_index_store_is_never_torn(shm_prefix):
     r = Ring.create(shm_prefix, run_id, "torn", 64)
     q = r._q
     q[ring_mod._HEAD] = a
+    load = q.__getitem__ if words == "memoryview" else r._load_acquire
 
     def writer():
-        wq = Ring.attach(shm_prefix, run_id, "torn")._q
+        w = Ring.attach(shm_prefix, run_id, "torn")
+        store = w._q.__setitem__ if words == "memoryview" else w._store_release
         for _ in range(300_000):
-            wq[ring_mod._HEAD] = b
-            wq[ring_mod._HEAD] = a
+            store(ring_mod._HEAD, b)
+            store(ring_mod._HEAD, a)
 
     p = mp.get_context("fork").Process(target=writer)
     p.start()
@@ -629,7 +668,7 @@ def test_index_store_is_never_torn(shm_prefix):
     try:
         while p.exitcode is None and len(seen) <= 2:
             for _ in range(10_000):
-                seen.add(q[ring_mod._HEAD])
+                seen.add(load(ring_mod._HEAD))
     finally:
         p.join(60)
         q[ring_mod._HEAD] = 0
@@ -661,7 +700,7 @@ def test_shared_doorbell_and_wait_any(shm_prefix):
         assert producer.push(b"ding")
         t.join(30)
         assert woke == [True] and producer.stats()["data_posts"] >= 1
-        assert rings[2].pop() == b"ding"
+        assert take_one(rings[2]) == b"ding"
         assert not any(r.stats()["consumer_waiting"] for r in rings)
         producer.close()
     finally:
@@ -673,20 +712,19 @@ def test_shared_doorbell_and_wait_any(shm_prefix):
     shm.unlink_semaphore(bell_name)
 
 
-def test_pop_into_copies_records_including_wrapped_ones(shm_prefix):
-    ring = Ring.create(shm_prefix, shm.new_run_id(), "into", 64)
-    try:
-        buf = bytearray(64)
-        assert ring.pop_into(buf) is None
-        for k in range(20):  # sizes that wrap around the 64-byte buffer
-            rec = bytes([k]) * (7 + k % 23)
-            assert ring.push(rec)
-            assert ring.pop_into(buf) == len(rec)
-            assert bytes(buf[:len(rec)]) == rec
-        ring.push(b"x" * 40)
-        with pytest.raises(ValueError):
-            ring.pop_into(bytearray(10))
-        assert ring.pop() == b"x" * 40  # a failed pop_into takes nothing
-    finally:
-        ring.close()
-        ring.unlink()
+def test_release_one_gives_records_back_one_at_a_time_including_wrapped_ones(make_ring):
+    """What a consumer that settles each record does (pipeline/loop.py): peek a batch,
+    then give the records back one by one, without knowing how they are framed."""
+    r = make_ring(64)
+    with pytest.raises(RingError, match="holds no record"):
+        r.release_one()
+    for k in range(20):  # sizes whose headers and payloads wrap around the 64-byte buffer
+        recs = [bytes([k]) * (3 + k % 11), bytes([k + 1]) * (7 + k % 5)]
+        assert r.push_batch(recs) == 2
+        got, end = r.peek_batch()
+        assert got == recs
+        for rec in recs:
+            tail, popped = r.tail, r.stats()["popped"]
+            r.release_one()
+            assert r.tail == tail + H + len(rec) and r.stats()["popped"] == popped + 1
+        assert r.tail == end and r.depth() == 0
