@@ -9,9 +9,10 @@ asked for. Space is handed out in whole blocks, first fit.
 
 Metadata (all in the ``.meta`` segment)::
 
-    header    int64[16]: magic, layout, size, block_size, nblocks, max_leases,
-              max_owners, seq (odd while a mutation is in progress), used blocks,
-              live leases, recoveries, journal slot (-1 = none), ...
+    header    int64[16]: magic, size, block_size, max_leases, max_owners, the
+              segment's size (ipc/shared_table.py), seq (odd while a mutation is
+              in progress), used blocks, live leases, recoveries, journal slot
+              (-1 = none), ...
     journal   the pre-image of the one lease slot being mutated
     lease table (the source of truth), column-wise:
               state u8 (0 FREE, 1 LIVE), gen u32, start block i64, nblocks i64,
@@ -49,6 +50,7 @@ import numpy as np
 
 from . import shm
 from .segment_lock import SegmentLock
+from .shared_table import SharedTable, lay_out
 
 __all__ = ["Arena", "ArenaFull", "Lease", "StaleLease"]
 
@@ -68,10 +70,8 @@ class Lease(NamedTuple):
     length: int
 
 
-_MAGIC = 0x3141_7265_6E61_0001  # "arena", layout 1
-_LAYOUT = 1
 # header words (int64)
-_H_MAGIC, _H_LAYOUT, _H_SIZE, _H_BS, _H_NBLK, _H_MAXL, _H_MAXO, _H_SEQ, _H_USED, _H_LIVE, _H_RECOV, _H_JSLOT = range(12)
+_H_MAGIC, _H_SIZE, _H_BS, _H_MAXL, _H_MAXO, _H_TOTAL, _H_SEQ, _H_USED, _H_LIVE, _H_RECOV, _H_JSLOT = range(11)
 _H_WORDS = 16
 # journal words (int64): state, gen, start, nblocks, length; then u32 refs[max_owners]
 _J_WORDS = 8
@@ -82,14 +82,8 @@ _U32_MAX = 0xFFFF_FFFF
 _fault_hook = None
 
 
-def _align(n: int, a: int = 64) -> int:
-    return (n + a - 1) // a * a
-
-
 def _layout(nblocks: int, max_leases: int, max_owners: int) -> dict[str, int]:
-    off = {}
-    pos = 0
-    for name, nbytes in (
+    off = lay_out((
         ("header", 8 * _H_WORDS),
         ("jint", 8 * _J_WORDS),
         ("jrefs", 4 * max_owners),
@@ -100,48 +94,58 @@ def _layout(nblocks: int, max_leases: int, max_owners: int) -> dict[str, int]:
         ("length", 8 * max_leases),
         ("refs", 4 * max_leases * max_owners),
         ("map", nblocks),
-    ):
-        pos = _align(pos)
-        off[name] = pos
-        pos += nbytes
-    off["total"] = _align(pos, 4096)
+    ), start=0)
+    off["total"] = (off["total"] + 4095) // 4096 * 4096
     return off
 
 
-class Arena:
-    """A region of shared memory leased out in blocks with per-owner reference counts."""
+class Arena(SharedTable):
+    """A region of shared memory leased out in blocks with per-owner reference counts.
+
+    Its table is the ``.meta`` segment (a SharedTable); the data segment beside it is
+    made, attached, closed and unlinked with it."""
+
+    MAGIC = 0x3141_7265_6E61_0002  # "arena", layout 2
+    KIND = "arena"
+    GEOMETRY = ("size", "block_size", "max_leases", "max_owners")
 
     # -- construction ------------------------------------------------------
 
     @classmethod
-    def create(cls, prefix: str, run_id: str, what: str, size: int, *, block_size: int = 4096,
-               max_leases: int = 4096, max_owners: int = 16, slices: int = 1, touch=None) -> "Arena":
-        """`slices`, `touch`: the data's pages allocated in parts, each in a context of its
-        own (shm.Segment.create: a NUMA first touch per part)."""
-        size, block_size = _index(size), _index(block_size)
-        max_leases, max_owners = _index(max_leases), _index(max_owners)
-        if size <= 0 or block_size <= 0:
+    def segment_size(cls, size: int, block_size: int, max_leases: int, max_owners: int) -> int:
+        if size <= 0 or block_size <= 0 or size % block_size:
             raise ValueError(f"arena size ({size}) and block_size ({block_size}) must be > 0")
         if not 1 <= max_leases <= 2**24 or not 1 <= max_owners <= 4096:
             raise ValueError(f"max_leases ({max_leases}) must be 1..2**24 and max_owners ({max_owners}) 1..4096")
-        nblocks = -(-size // block_size)
-        data_name, meta_name = cls._names(prefix, run_id, what)
-        lay = _layout(nblocks, max_leases, max_owners)
-        data = shm.Segment.create(data_name, nblocks * block_size, slices=slices, touch=touch)
+        return _layout(size // block_size, max_leases, max_owners)["total"]
+
+    @classmethod
+    def format(cls, buf: memoryview, size: int, block_size: int, max_leases: int, max_owners: int) -> None:
+        """posix_fallocate left the segment zeroed: all slots FREE, the map free; no journal."""
+        buf[8 * _H_JSLOT:8 * _H_JSLOT + 8] = (-1).to_bytes(8, "little", signed=True)
+
+    @classmethod
+    def segment_name(cls, prefix: str, run_id: str, what: str) -> str:
+        return shm.object_name(prefix, run_id, what + ".meta")
+
+    @classmethod
+    def create(cls, prefix: str, run_id: str, what: str, size: int, *, block_size: int = 4096,
+               max_leases: int = 4096, max_owners: int = 16, slices: int = 1, touch=None) -> "Arena":
+        """`size` rounded up to whole blocks. `slices`, `touch`: the data's pages allocated in
+        parts, each in a context of its own (shm.Segment.create: a NUMA first touch per part)."""
+        size, block_size = _index(size), _index(block_size)
+        geometry = (-(-size // block_size) * block_size if block_size > 0 else size, block_size,
+                    _index(max_leases), _index(max_owners))
+        cls.segment_size(*geometry)  # checked before anything is made
+        data = shm.Segment.create(shm.object_name(prefix, run_id, what), geometry[0], slices=slices, touch=touch)
         try:
-            meta = shm.Segment.create(meta_name, lay["total"])
+            meta = cls.create_segment(prefix, run_id, what, *geometry)
         except BaseException:
             data.close()
             data.unlink()
             raise
         try:
-            # posix_fallocate leaves the segment zeroed: all slots FREE, map free.
-            h = np.frombuffer(meta.buf.obj, np.int64, _H_WORDS, lay["header"])
-            h[_H_LAYOUT], h[_H_SIZE], h[_H_BS], h[_H_NBLK] = _LAYOUT, nblocks * block_size, block_size, nblocks
-            h[_H_MAXL], h[_H_MAXO], h[_H_JSLOT] = max_leases, max_owners, -1
-            h[_H_MAGIC] = _MAGIC  # last: attach refuses a half-made arena
-            del h
-            return cls(data, meta)
+            return cls(meta, data)
         except BaseException:
             for seg in (meta, data):
                 seg.close()
@@ -150,44 +154,28 @@ class Arena:
 
     @classmethod
     def attach(cls, prefix: str, run_id: str, what: str) -> "Arena":
-        data_name, meta_name = cls._names(prefix, run_id, what)
-        meta = shm.Segment.attach(meta_name)
+        meta = cls.attach_segment(prefix, run_id, what)
         try:
-            data = shm.Segment.attach(data_name)
+            data = shm.Segment.attach(shm.object_name(prefix, run_id, what))
         except BaseException:
             meta.close()
             raise
         try:
-            return cls(data, meta)
+            return cls(meta, data)
         except BaseException:
             data.close()
             meta.close()
             raise
 
-    @staticmethod
-    def _names(prefix: str, run_id: str, what: str) -> tuple[str, str]:
-        return shm.object_name(prefix, run_id, what), shm.object_name(prefix, run_id, what + ".meta")
-
-    def __init__(self, data: shm.Segment, meta: shm.Segment):
+    def __init__(self, meta: shm.Segment, data: shm.Segment):
+        super().__init__(meta)
         self._data, self._meta = data, meta
-        mm = meta.buf.obj
-        if meta.size < 8 * _H_WORDS:
-            raise shm.ShmError(f"{meta.name!r} is too small to be an arena's metadata")
-        hdr = np.frombuffer(mm, np.int64, _H_WORDS, 0)
-        if int(hdr[_H_MAGIC]) != _MAGIC or int(hdr[_H_LAYOUT]) != _LAYOUT:
-            raise shm.ShmError(f"{meta.name!r} is not an initialised arena (bad magic or layout)")
-        self.size = int(hdr[_H_SIZE])
-        self.block_size = int(hdr[_H_BS])
-        self.nblocks = int(hdr[_H_NBLK])
-        self.max_leases = int(hdr[_H_MAXL])
-        self.max_owners = int(hdr[_H_MAXO])
-        del hdr
+        self.nblocks = self.size // self.block_size
         L, O, nb = self.max_leases, self.max_owners, self.nblocks
-        lay = _layout(nb, L, O)
-        if meta.size < lay["total"] or data.size < self.size:
-            raise shm.ShmError(f"arena segments {meta.name!r}/{data.name!r} are smaller than their header says")
-        self._lay = lay
-        mv = meta.buf
+        if data.size < self.size:
+            raise shm.ShmError(f"arena data {data.name!r} is smaller than its table {meta.name!r} says")
+        lay = self._lay = _layout(nb, L, O)
+        mv, mm = meta.buf, meta.buf.obj
         # memoryview casts for scalar access (fast, plain ints), numpy for scans.
         self._h = mv[lay["header"]:lay["header"] + 8 * _H_WORDS].cast("q")
         self._jq = mv[lay["jint"]:lay["jint"] + 8 * _J_WORDS].cast("q")
@@ -199,8 +187,6 @@ class Arena:
         self._len = mv[lay["length"]:lay["length"] + 8 * L].cast("q")
         self._refs = mv[lay["refs"]:lay["refs"] + 4 * L * O].cast("I")
         self._map = mv[lay["map"]:lay["map"] + nb]
-        self._views = [self._h, self._jq, self._jr, self._st, self._gen, self._start,
-                       self._nblk, self._len, self._refs, self._map]
         self._mm = mm
         self._n_state = np.frombuffer(mm, np.uint8, L, lay["state"])
         self._n_start = np.frombuffer(mm, np.int64, L, lay["start"])
@@ -213,24 +199,14 @@ class Arena:
         a = np.frombuffer(data.buf.obj, np.uint8, 1, 0)
         self.address = int(a.ctypes.data)
         del a
-        self._lock = SegmentLock(meta)
-        self._closed = False
+        self._lock = SegmentLock(meta, on_acquire=self._recover_if_dirty)
 
     # -- locking and recovery ---------------------------------------------
 
-    def _acquire(self) -> None:
-        if self._closed:
-            raise ValueError("arena is closed")
-        self._lock.acquire()
-        try:
-            if self._h[_H_SEQ] & 1:
-                self._recover()
-        except BaseException:
-            self._lock.release()
-            raise
-
-    def _release(self) -> None:
-        self._lock.release()
+    def _recover_if_dirty(self) -> None:
+        """The lock just taken: roll back what a holder killed mid-mutation left."""
+        if self._h[_H_SEQ] & 1:
+            self._recover()
 
     def _begin(self) -> None:
         """Enter a mutation (lock held, seq even): seq odd, no journaled slot yet."""
@@ -327,6 +303,19 @@ class Arena:
             raise StaleLease(f"lease {tuple(lease)} is stale (freed or its slot reused)")
         return slot
 
+    def _count_of(self, lease, owner: int) -> tuple[int, int, int]:
+        """Lock held: the slot of a valid lease, where ``owner``'s count of it is, and the count."""
+        slot = self._slot_of(lease)
+        i = slot * self.max_owners + owner
+        return slot, i, self._refs[i]
+
+    def _held_by(self, lease, owner: int) -> tuple[int, int, int]:
+        """``_count_of``, or StaleLease when ``owner`` holds no reference."""
+        slot, i, n = self._count_of(lease, owner)
+        if n == 0:
+            raise StaleLease(f"owner {owner} holds no reference to lease {tuple(lease)}")
+        return slot, i, n
+
     # -- operations ----------------------------------------------------------
 
     def alloc(self, nbytes: int, owner: int) -> Lease | None:
@@ -341,8 +330,7 @@ class Arena:
             raise ValueError(f"cannot lease {nbytes} bytes from an arena of {self.size}")
         k = -(-nbytes // self.block_size)
         lay = self._lay
-        self._acquire()
-        try:
+        with self._lock:
             pos = self._mm.find(self._zeros[:k], lay["map"], lay["map"] + self.nblocks)
             if pos < 0:
                 return None
@@ -379,31 +367,20 @@ class Arena:
                 self._abort()
                 raise
             return Lease(slot, gen, start * self.block_size, nbytes)
-        finally:
-            self._release()
 
     def addref(self, lease: Lease, owner: int) -> None:
         owner = self._owner(owner)
-        self._acquire()
-        try:
-            i = self._slot_of(lease) * self.max_owners + owner
-            n = self._refs[i]
+        with self._lock:
+            _, i, n = self._count_of(lease, owner)
             if n >= _U32_MAX:
                 raise OverflowError(f"owner {owner} holds {n} references to lease {tuple(lease)}")
             self._refs[i] = n + 1  # one aligned store: no journal needed
-        finally:
-            self._release()
 
     def drop(self, lease: Lease, owner: int) -> bool:
         """Drop one reference of ``owner``; True if that freed the lease."""
         owner = self._owner(owner)
-        self._acquire()
-        try:
-            slot = self._slot_of(lease)
-            i = slot * self.max_owners + owner
-            n = self._refs[i]
-            if n == 0:
-                raise StaleLease(f"owner {owner} holds no reference to lease {tuple(lease)}")
+        with self._lock:
+            slot, i, n = self._held_by(lease, owner)
             b = slot * self.max_owners
             if n > 1 or sum(self._refs[b:b + self.max_owners]) > 1:
                 self._refs[i] = n - 1  # one aligned store: no journal needed
@@ -417,8 +394,6 @@ class Arena:
                 self._abort()
                 raise
             return True
-        finally:
-            self._release()
 
     def _free_slot(self, slot: int, i: int) -> None:
         """Inside a mutation, slot journaled: zero ref ``i`` and free the lease."""
@@ -437,12 +412,9 @@ class Arena:
     def transfer(self, lease: Lease, from_owner: int, to_owner: int) -> None:
         """Move one reference from ``from_owner`` to ``to_owner``, atomically."""
         src, dst = self._owner(from_owner), self._owner(to_owner)
-        self._acquire()
-        try:
-            slot = self._slot_of(lease)
+        with self._lock:
+            slot, _, _ = self._held_by(lease, src)
             base = slot * self.max_owners
-            if self._refs[base + src] == 0:
-                raise StaleLease(f"owner {src} holds no reference to lease {tuple(lease)}")
             if src == dst:
                 return
             if self._refs[base + dst] >= _U32_MAX:
@@ -458,14 +430,11 @@ class Arena:
             except BaseException:
                 self._abort()
                 raise
-        finally:
-            self._release()
 
     def reclaim(self, owner: int) -> int:
         """Drop every reference ``owner`` holds (a dead process); return how many were dropped."""
         owner = self._owner(owner)
-        self._acquire()
-        try:
+        with self._lock:
             col = self._n_refs[:, owner]
             slots = np.flatnonzero((col > 0) & (self._n_state == _LIVE))
             if slots.size == 0:
@@ -490,8 +459,6 @@ class Arena:
                 self._abort()
                 raise
             return dropped
-        finally:
-            self._release()
 
     # -- queries ---------------------------------------------------------------
 
@@ -501,7 +468,7 @@ class Arena:
         and its slot leased again meanwhile shows as changed. (A caller that holds a
         reference, as stages do, sees no change: nobody else can free it.)"""
         slot, gen, offset, length = lease
-        if self._closed or not 0 <= slot < self.max_leases:
+        if self.closed or not 0 <= slot < self.max_leases:
             return False
         g = self._gen[slot]
         ok = (g == gen and self._st[slot] == _LIVE and self._start[slot] * self.block_size == offset
@@ -514,53 +481,39 @@ class Arena:
                 return True
         except (ValueError, TypeError):
             return False
-        self._acquire()  # a mutation in progress, or a dead writer's to roll back: ask under the lock
-        try:
-            self._slot_of(lease)
-            return True
-        except (StaleLease, ValueError, TypeError):
-            return False
-        finally:
-            self._release()
+        with self._lock:  # a mutation in progress, or a dead writer's to roll back: ask under the lock
+            try:
+                self._slot_of(lease)
+                return True
+            except (StaleLease, ValueError, TypeError):
+                return False
 
     def view(self, lease: Lease) -> memoryview:
         """A writable view of exactly ``lease.length`` bytes; StaleLease if not valid."""
         if not self._live_now(lease):
-            self._acquire()
-            try:
+            with self._lock:
                 self._slot_of(lease)
-            finally:
-                self._release()
         return self._data.buf[lease.offset:lease.offset + lease.length]
 
     def refs(self, lease: Lease) -> dict[int, int]:
         """owner -> references held, for a valid lease (StaleLease otherwise)."""
-        self._acquire()
-        try:
+        with self._lock:
             row = self._n_refs[self._slot_of(lease)]
             owners = np.flatnonzero(row)
             return {int(o): int(row[o]) for o in owners}
-        finally:
-            self._release()
 
     def used_bytes(self) -> int:
         """Bytes in leased blocks (each lease counts whole blocks)."""
-        self._acquire()
-        try:
+        with self._lock:
             return self._h[_H_USED] * self.block_size
-        finally:
-            self._release()
 
     def live_leases(self) -> list[Lease]:
         """Every live lease, by offset."""
-        self._acquire()
-        try:
+        with self._lock:
             idx = np.flatnonzero(self._n_state == _LIVE)
             idx = idx[np.argsort(self._n_start[idx], kind="stable")]
             bs = self.block_size
             return [Lease(s, self._gen[s], self._start[s] * bs, self._len[s]) for s in idx.tolist()]
-        finally:
-            self._release()
 
     @property
     def recoveries(self) -> int:
@@ -570,29 +523,16 @@ class Arena:
     # -- teardown --------------------------------------------------------------
 
     def close(self) -> None:
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
         self._lock.close()
-        for v in self._views:
-            v.release()
-        self._views = []
-        for name in ("_h", "_jq", "_jr", "_st", "_gen", "_start", "_nblk", "_len", "_refs", "_map",
-                     "_n_state", "_n_start", "_n_nblk", "_n_refs", "_n_map", "_mm"):
-            setattr(self, name, None)
-        self._meta.close()
+        super().close()
         self._data.close()
 
     def unlink(self) -> None:
         """Remove both segments' names (mappings stay valid until closed)."""
         self._data.unlink()
         self._meta.unlink()
-
-    def __enter__(self) -> "Arena":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"Arena({self._data.name!r}, size={self.size}, block_size={self.block_size}, "

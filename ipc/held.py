@@ -23,7 +23,7 @@ import msgpack
 import numpy as np
 
 from . import shm
-from .shared_table import SharedTable, lay_out
+from .shared_table import SlotTable
 from .wire import MAX_ID_CHARS, Alloc
 
 __all__ = ["HeldAllocs"]
@@ -34,45 +34,30 @@ _SLOT = _HEAD.size + BODY
 _values = attrgetter(*(f.name for f in fields(Alloc)))  # dataclasses.astuple deep-copies each value: 20x slower
 
 
-def _layout(capacity: int) -> dict[str, int]:
-    """Header, generations u64[capacity], slots."""
-    return lay_out((("gens", 8 * capacity), ("slots", _SLOT * capacity)))
-
-
-class HeldAllocs(SharedTable):
+class HeldAllocs(SlotTable):
     MAGIC = 0x646C_6568_0000_0003  # "held", layout 3
     KIND = "held-alloc table"
-
-    @classmethod
-    def segment_size(cls, capacity: int) -> int:
-        if capacity < 1:
-            raise ValueError(f"held-alloc table capacity {capacity} must be >= 1")
-        return _layout(capacity)["total"]
-
-    size_of = segment_size  # the name the start-up check calls
+    SLOT_BYTES = _SLOT
 
     def __init__(self, seg: shm.Segment):
         super().__init__(seg)
-        lay = _layout(self.capacity)
-        self._slots0 = lay["slots"]
-        self._gens = np.frombuffer(seg.buf.obj, np.uint64, self.capacity, lay["gens"])
         self._free: list[int] | None = None  # the writer's, built by load()
         self._next_gen = 1
 
     def load(self) -> list[tuple[int, float, Alloc]]:
         """Every alloc held: (slot, held since, alloc). The writer calls it first."""
         out = []
-        for slot in np.flatnonzero(self._gens).tolist():
-            at = self._slots0 + slot * _SLOT
+        for slot in np.flatnonzero(self.generations).tolist():
+            at = self.slots_at + slot * _SLOT
             since, n = _HEAD.unpack_from(self.buf, at)
             try:
                 body = bytes(self.buf[at + _HEAD.size:at + _HEAD.size + n])
                 out.append((slot, since, Alloc(*msgpack.unpackb(body))))
             except Exception:  # not ours to answer if it cannot be read: free it
-                self._gens[slot] = 0
+                self.generations[slot] = 0
         used = {slot for slot, _, _ in out}
         self._free = [s for s in range(self.capacity - 1, -1, -1) if s not in used]
-        self._next_gen = int(self._gens.max()) + 1
+        self._next_gen = self.next_generation()
         return out
 
     def put(self, since: float, alloc: Alloc) -> int | None:
@@ -83,16 +68,16 @@ class HeldAllocs(SharedTable):
             return None
         body = msgpack.packb(_values(alloc))
         slot = self._free.pop()
-        at = self._slots0 + slot * _SLOT
+        at = self.slots_at + slot * _SLOT
         _HEAD.pack_into(self.buf, at, since, len(body))
         self.buf[at + _HEAD.size:at + _HEAD.size + len(body)] = body
-        self._gens[slot] = self._next_gen  # one aligned store publishes it
+        self.generations[slot] = self._next_gen  # one aligned store publishes it
         self._next_gen += 1
         return slot
 
     def remove(self, slot: int) -> None:
-        self._gens[slot] = 0
+        self.generations[slot] = 0
         self._free.append(slot)
 
     def __len__(self) -> int:
-        return int(np.count_nonzero(self._gens))
+        return int(np.count_nonzero(self.generations))

@@ -34,7 +34,7 @@ import zlib
 import numpy as np
 
 from . import shm
-from .shared_table import SharedTable, lay_out
+from .shared_table import SlotTable
 from .wire import MAX_ID_CHARS
 
 __all__ = ["MAX_RECEIVERS", "ReceiverTable", "TableFull", "registration_row"]
@@ -53,11 +53,6 @@ class TableFull(RuntimeError):
     """Every slot holds a registration."""
 
 
-def _layout(capacity: int) -> dict[str, int]:
-    """Header, generations u64[capacity], slots."""
-    return lay_out((("gens", 8 * capacity), ("slots", _SLOT * capacity)))
-
-
 def _crc(gen: int, body) -> int:
     return zlib.crc32(body, zlib.crc32(gen.to_bytes(8, "little")))
 
@@ -71,28 +66,24 @@ def registration_row(gen: int, receiver: str, session: str, status: str) -> byte
     return _crc(gen, body).to_bytes(4, "little") + body
 
 
-class ReceiverTable(SharedTable):
+class ReceiverTable(SlotTable):
     MAGIC = 0x7278_6365_7200_0002  # "recvr", layout 2
     KIND = "receiver table"
+    SLOT_BYTES = _SLOT
+    CAPACITY = (2, 2**16)
 
     @classmethod
     def create(cls, prefix: str, run_id: str, what: str, capacity: int = MAX_RECEIVERS + 1) -> "ReceiverTable":
         return super().create(prefix, run_id, what, capacity)
 
     @classmethod
-    def segment_size(cls, capacity: int = MAX_RECEIVERS + 1) -> int:
-        if not 2 <= capacity <= 2**16:
-            raise ValueError(f"receiver table capacity {capacity} must be 2..65536")
-        return _layout(capacity)["total"]
-
-    size_of = segment_size  # the name the start-up check calls
+    def size_of(cls, capacity: int = MAX_RECEIVERS + 1) -> int:
+        return cls.segment_size(capacity)
 
     def __init__(self, seg: shm.Segment):
         super().__init__(seg)
-        lay = _layout(self.capacity)
-        self._slots0 = lay["slots"]
-        self._genv = seg.buf[lay["gens"]:lay["gens"] + 8 * self.capacity].cast("Q")
-        self._gens = np.frombuffer(seg.buf.obj, np.uint64, self.capacity, lay["gens"])
+        at = self.layout(self.capacity)["generations"]
+        self._genv = seg.buf[at:at + 8 * self.capacity].cast("Q")
         # The writer's view, built by load(): receiver -> slot, and slots to free.
         self._slot_of: dict[str, int] | None = None
         self._stale: list[int] = []
@@ -104,7 +95,7 @@ class ReceiverTable(SharedTable):
         whose checksum does not agree."""
         newest: dict[str, tuple[int, int, tuple[str, str]]] = {}
         stale = []
-        for slot in np.flatnonzero(self._gens.copy()).tolist():  # a copy: the writer may change it meanwhile
+        for slot in np.flatnonzero(self.generations.copy()).tolist():  # a copy: the writer may change it meanwhile
             got = self._read(slot)
             if got is None:
                 if self._genv[slot]:  # published, and its checksum never agreed: damage
@@ -120,12 +111,12 @@ class ReceiverTable(SharedTable):
             newest[receiver] = (gen, slot, reg)
         self._stale = stale
         self._slot_of = {r: slot for r, (_, slot, _) in newest.items()}
-        self._next_gen = int(self._gens.max()) + 1
+        self._next_gen = self.next_generation()
         return {r: reg for r, (_, _, reg) in newest.items()}
 
     def _read(self, slot: int):
         """(generation, receiver, (session, status)) of a published slot; None if free."""
-        off = self._slots0 + slot * _SLOT
+        off = self.slots_at + slot * _SLOT
         for _ in range(_READ_SPINS):
             gen = self._genv[slot]
             if not gen:
@@ -145,11 +136,11 @@ class ReceiverTable(SharedTable):
         for slot in self._stale:
             self._genv[slot] = 0
         self._stale = []
-        free = np.flatnonzero(self._gens == 0)
+        free = np.flatnonzero(self.generations == 0)
         if not free.size:
             raise TableFull(f"receiver table {self.segment.name!r} is full: {self.capacity} slots")
         slot = int(free[0])
-        off = self._slots0 + slot * _SLOT
+        off = self.slots_at + slot * _SLOT
         self.buf[off:off + _ROW.size] = new
         if _fault_hook is not None:
             _fault_hook("receivers.body")

@@ -21,10 +21,15 @@ class SegmentLock:
     threads. In a forked child the inherited description (which shares the
     parent's lock) is closed and a fresh one opened, so a child never holds or
     keeps alive its parent's lock.
+
+    ``with lock:`` holds it. ``on_acquire``, when given, runs each time the lock is
+    taken, before anything else under it (the arena rolls back what a holder killed
+    mid-mutation left); if it raises, the lock is given up again.
     """
 
-    def __init__(self, seg: shm.Segment):
+    def __init__(self, seg: shm.Segment, on_acquire=None):
         self._seg = seg
+        self._on_acquire = on_acquire
         self._t = threading.Lock()
         self._fd = self._open()
         _locks.add(self)
@@ -41,12 +46,25 @@ class SegmentLock:
         except BaseException:
             self._t.release()
             raise
+        if self._on_acquire is not None:
+            try:
+                self._on_acquire()
+            except BaseException:
+                self.release()
+                raise
 
     def release(self) -> None:
         try:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
         finally:
             self._t.release()
+
+    def __enter__(self) -> "SegmentLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
     def _after_fork(self) -> None:
         if self._fd < 0:

@@ -38,6 +38,7 @@ and gets::
                              beside its own (the arena's data) and builds itself
 
 ``lay_out`` places a table's columns after its header, each on a cache line.
+``SlotTable`` is a SharedTable of slots each published by a generation word.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ import numpy as np
 
 from . import shm
 
-__all__ = ["HEADER_BYTES", "SharedTable", "lay_out"]
+__all__ = ["HEADER_BYTES", "SharedTable", "SlotTable", "lay_out"]
 
 HEADER_BYTES = 64
 LINE = 64  # columns start on a cache line: two writers' columns never share one
@@ -181,3 +182,41 @@ class SharedTable:
     def __repr__(self) -> str:
         geometry = ", ".join(f"{name}={getattr(self, name)}" for name in self.GEOMETRY)
         return f"{type(self).__name__}({self.segment.name!r}, {geometry})"
+
+
+class SlotTable(SharedTable):
+    """A SharedTable of ``capacity`` slots of SLOT_BYTES, each published by a u64
+    generation (0 while free), for one writer: a slot is written while free, then
+    published by one aligned 8-byte store of a generation higher than any before, so a
+    writer killed at any instruction leaves every slot free or whole.
+
+    A subclass says SLOT_BYTES and CAPACITY (the capacities allowed, both ends in). The
+    table has ``generations`` (u64 per slot, numpy) and ``slots_at`` (where slot 0
+    begins; slot ``k`` is SLOT_BYTES further on per step)."""
+
+    SLOT_BYTES = 64
+    CAPACITY = (1, 2**28)
+
+    @classmethod
+    def layout(cls, capacity: int) -> dict[str, int]:
+        """Header, generations u64[capacity], slots."""
+        return lay_out((("generations", 8 * capacity), ("slots", cls.SLOT_BYTES * capacity)))
+
+    @classmethod
+    def segment_size(cls, capacity: int) -> int:
+        lo, hi = cls.CAPACITY
+        if not lo <= capacity <= hi:
+            raise ValueError(f"{cls.KIND} capacity {capacity} must be {lo}..{hi}")
+        return cls.layout(capacity)["total"]
+
+    size_of = segment_size  # the name the start-up check calls
+
+    def __init__(self, seg: shm.Segment):
+        super().__init__(seg)
+        lay = self.layout(self.capacity)
+        self.slots_at = lay["slots"]
+        self.generations = np.frombuffer(seg.buf.obj, np.uint64, self.capacity, lay["generations"])
+
+    def next_generation(self) -> int:
+        """One more than the highest generation in the table: where a writer starts."""
+        return int(self.generations.max()) + 1

@@ -61,7 +61,7 @@ def _problems(a: Arena) -> list[str]:
     """What is inconsistent in the arena's metadata, read under its lock; [] when sound."""
     H_SEQ, H_JSLOT, H_USED, H_LIVE = arena_mod._H_SEQ, arena_mod._H_JSLOT, arena_mod._H_USED, arena_mod._H_LIVE
     LIVE, FREE = arena_mod._LIVE, arena_mod._FREE
-    a._acquire()
+    a._lock.acquire()
     try:
         problems = []
         if a._h[H_SEQ] & 1 or a._h[H_JSLOT] != -1:
@@ -89,12 +89,12 @@ def _problems(a: Arena) -> list[str]:
             problems.append("lease length does not match its blocks")
         return problems
     finally:
-        a._release()
+        a._lock.release()
 
 
 def _snapshot(a: Arena) -> dict[Lease, dict[int, int]]:
     """Every live lease with its references (owner -> count), taken atomically under the lock."""
-    a._acquire()
+    a._lock.acquire()
     try:
         out = {}
         for s in np.flatnonzero(a._n_state == arena_mod._LIVE).tolist():
@@ -103,7 +103,7 @@ def _snapshot(a: Arena) -> dict[Lease, dict[int, int]]:
                 int(o): int(row[o]) for o in np.flatnonzero(row)}
         return out
     finally:
-        a._release()
+        a._lock.release()
 
 
 def _largest_free(arena: Arena) -> int:

@@ -188,7 +188,7 @@ def test_a_torn_row_is_never_read_as_a_registration(make, shm_prefix):
     try:
         slot = t._slot_of["rx"]
         gen = int(t._genv[slot])
-        at = t._slots0 + slot * receivers_mod._SLOT
+        at = t.slots_at + slot * receivers_mod._SLOT
         new = registration_row(gen + 1, "rx", "new:2", "tcp://new:2")
         t._genv[slot] = gen + 1  # the new generation, over the old row
         assert reader.load() == {}
@@ -203,7 +203,7 @@ def test_a_torn_row_is_never_read_as_a_registration(make, shm_prefix):
         assert reader.load() == {}
         assert t.load() == {}
         t.put("rx-2", "b:1", "tcp://b:1")
-        assert t.load() == {"rx-2": ("b:1", "tcp://b:1")} and np.count_nonzero(t._gens) == 1, "freed"
+        assert t.load() == {"rx-2": ("b:1", "tcp://b:1")} and np.count_nonzero(t.generations) == 1, "freed"
     finally:
         reader.close()
 
