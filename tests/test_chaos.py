@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from benchmarks.chaos import run_chaos
+from pipeline.testing.chaos import run_chaos
 
 pytestmark = pytest.mark.timeout(600)
 
