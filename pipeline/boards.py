@@ -6,9 +6,20 @@ from __future__ import annotations
 
 import pickle
 import time
+from enum import IntEnum
 
 from ipc import shm
 from stages import registry
+
+
+class DrainOrder(IntEnum):
+    """What the supervisor asks of the request stage at a drain, in the order a drain asks
+    it: each order is a step past the one before, so a stage acts on one larger than the
+    last it saw."""
+
+    NONE = 0         # serving
+    FINISH_READ = 1  # read what is in the socket now, do those requests, then read no more
+    REFUSE = 2       # the same, but fail each of those requests instead of doing it
 
 
 class Heartbeats:
@@ -16,9 +27,9 @@ class Heartbeats:
     the last second its loop spent working, and the drain's handshake. float64 in shared memory."""
 
     FIELDS = 7
-    PID, BEAT, READY, RESTARTS, BUSY, CLOSE, CLOSED = range(7)
-    # CLOSE (the supervisor's ask of the request stage, at a drain) and CLOSED (its answer,
-    # once it has read its socket to the end): 1 = do the requests read, 2 = refuse them.
+    PID, BEAT, READY, RESTARTS, BUSY, DRAIN_ORDER, DRAIN_DONE = range(7)
+    # DRAIN_ORDER is the supervisor's ask of the request stage (a DrainOrder); DRAIN_DONE
+    # the stage's answer, the order it carried out once it read its socket to the end.
 
     def __init__(self, seg: shm.Segment):
         import numpy as np
@@ -39,6 +50,21 @@ class Heartbeats:
 
     def row(self, stage: str):
         return self.table[self.stages.index(stage)]
+
+    def order_drain(self, stage: str, order: DrainOrder) -> None:
+        self.row(stage)[self.DRAIN_ORDER] = order
+
+    def drain_order(self, stage: str) -> DrainOrder:
+        return DrainOrder(int(self.row(stage)[self.DRAIN_ORDER]))
+
+    def report_drained(self, stage: str, order: DrainOrder) -> None:
+        """`stage` has carried out `order` (NONE: forget a predecessor's answer)."""
+        self.row(stage)[self.DRAIN_DONE] = order
+
+    def drained(self, stage: str) -> bool:
+        """Whether `stage` has carried out the drain order it was given last."""
+        row = self.row(stage)
+        return row[self.DRAIN_DONE] >= row[self.DRAIN_ORDER]
 
     def close(self) -> None:
         self.table = None

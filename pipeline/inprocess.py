@@ -14,37 +14,60 @@ import time
 from pipeline import wiring
 from pipeline.loop import Env, Loop, QueueChannel
 from pipeline.metrics import MetricsServer, Snapshot, Totals, merge_stats, totals_of
-from pipeline.runtime import Runtime, SignalFlag
+from pipeline.runtime import RunResources, Serving, SignalFlag
 from stages import registry
+from stages.registry import REQUEST_STAGE, SUPERVISOR
 
 log = logging.getLogger("epd.worker")
 
 
-class InProcessWorker(Runtime):
+class InProcessWorker:
+    """The in-process runtime: its run's resources, every stage built from one Env and
+    run in one Loop over a QueueChannel, and serving and the drain (Serving, with this as
+    its StageControl). `tower`, if given, is the first replica's, built by the caller."""
+
     def __init__(self, cfg, tower=None):
-        super().__init__(cfg)
-        self.stages = {}
-        self.loop = None
-        self.metrics: MetricsServer | None = None  # the Prometheus endpoint; .port is the one bound
-        self.published: dict[str, dict] = {}        # each stage's stats(), copied by the loop for it
-        self._published_at = 0.0
+        self.run = RunResources(cfg)
+        self.cfg, self.run_id, self.shared, self.rooms = self.run.cfg, self.run.run_id, self.run.shared, self.run.rooms
+        self.serving = Serving(self.run, self)
+        self.fatal: str | None = None  # stays None: no stage here dies apart from the loop
         self.env = Env(self.cfg, self.run_id, self.shared, tower=tower)
         self.channel = QueueChannel()
-        self.notifier.status("starting the stages")
+        self.stages = self.channel.stages  # by name, in the order a round visits them
+        self.loop: Loop | None = None  # made once every stage is built
+        self.metrics: MetricsServer | None = None  # the Prometheus endpoint; .port is the one bound
+        self.published: dict[str, dict] = {}        # each stage's stats(), copied by the loop for it
+        self.published_at = 0.0
+        self.run.notifier.status("starting the stages")
         try:
             for name in registry.stage_names(self.cfg.tower_replicas):
                 self.stages[name] = self.env.build(name, self.channel.emitter(name), None)
-            self.channel.stages = self.stages
             self.spec = self.env.spec
             self.loop = Loop(list(self.stages.values()), self.channel, self.env.zmq_context)
             for stage in self.stages.values():
                 stage.start()
                 self.loop.settle(stage)
             if self.cfg.metrics_endpoint:
-                self.metrics = MetricsServer(self.cfg.metrics_endpoint, self.metrics_snapshot, self.health)
+                self.metrics = MetricsServer(self.cfg.metrics_endpoint, self.metrics_snapshot, self.serving.health)
         except BaseException:
             self.close()
             raise
+
+    # ------------------------------------------------------------ serving (Serving's)
+    def serve(self, stop: SignalFlag, second: SignalFlag | None = None) -> int:
+        return self.serving.serve(stop, second)
+
+    def drain(self, deadline_s: float, cut_short=lambda: False) -> None:
+        self.serving.drain(deadline_s, cut_short)
+
+    def fail_live(self, reason: str) -> None:
+        self.serving.fail_live(reason)
+
+    def health(self) -> dict:
+        return self.serving.health()
+
+    def live_rooms(self) -> list:
+        return self.run.live_rooms()
 
     # ------------------------------------------------------------ the loop
     def watch(self, stop: SignalFlag) -> None:
@@ -53,28 +76,27 @@ class InProcessWorker(Runtime):
     def step(self, max_wait: float = 0.02) -> None:
         self.loop.step(max_wait)
         now = time.monotonic()
-        if self.metrics is not None and now - self._published_at > 0.05:
+        if self.metrics is not None and now - self.published_at > 0.05:
             # The endpoint's thread reads copies: the stages' own counters change under this loop.
-            self._published_at = now
+            self.published_at = now
             self.published = {name: stage.stats() for name, stage in self.stages.items()}
 
     def poll(self) -> None:
         self.step(0.005)
 
     def close_intake(self, refusing: str = "") -> None:
-        stage = self.stages[registry.REQUEST_STAGE]
+        stage = self.stages[REQUEST_STAGE]
         if refusing:
             stage.refuse(refusing)
             self.loop.settle(stage)  # a request it had stalled on fails at its next tick
         self.loop.close_when_read(stage)
 
     def intake_closed(self) -> bool:
-        return self.loop.read_to_the_end(self.stages[registry.REQUEST_STAGE])
+        return self.loop.read_to_the_end(self.stages[REQUEST_STAGE])
 
     def tell_reaper(self, record) -> bool:
-        (dest,) = wiring.outputs_of("supervisor", self.cfg.tower_replicas)  # the supervisor's word goes to the reaper
-        reaper = self.stages[dest]
-        reaper.handle("supervisor", record)
+        reaper = self.stages[wiring.supervisor_reader()]
+        reaper.handle(SUPERVISOR, record)
         self.loop.settle(reaper)
         return True
 
@@ -83,6 +105,16 @@ class InProcessWorker(Runtime):
         now = time.monotonic()
         return not self.channel.pending() and all(
             due is None or due > 0.01 for due in (s.next_tick_in(now) for s in self.stages.values()))
+
+    def stop_all(self) -> None:
+        """Nothing to stop: the stages are closed with the worker (close)."""
+
+    def heartbeat_ages(self) -> dict[str, float | None]:
+        """None: the loop's turn is its stages' heartbeat."""
+        return {}
+
+    def stages_not_ready(self) -> list[str]:
+        return []  # every stage was started before the constructor returned
 
     # ------------------------------------------------------------ state
     def stats(self) -> dict:
@@ -108,9 +140,8 @@ class InProcessWorker(Runtime):
                 stage.close()  # the tower's waits for its jobs; the reaper's closes status sockets
             except Exception as e:
                 log.warning("closing the %s stage: %s", stage.name, e)
-        self.stages = {}
+        self.stages.clear()
         if self.loop is not None:
             self.loop.close()
-        if getattr(self, "env", None) is not None:
-            self.env.close()
-        super().close()
+        self.env.close()
+        self.run.close()

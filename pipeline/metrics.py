@@ -25,6 +25,7 @@ from typing import Callable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from ipc.stats import SECONDS_BUCKETS
+from stages.registry import CACHE
 
 log = logging.getLogger("epd.metrics")
 
@@ -224,7 +225,7 @@ class Collector:
         yield used
         yield size
 
-        cache = s.stats.get("cache", {}).get("cache")
+        cache = s.stats.get(CACHE, {}).get("cache")
         if cache:
             occupancy = GaugeMetricFamily("epd_cache_bytes", "Bytes the embedding cache holds, by tier",
                                           labels=["tier"])

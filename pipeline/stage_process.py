@@ -13,7 +13,7 @@ from dataclasses import asdict
 from ipc import shm
 from ipc.ring import Ring
 from pipeline import numa, wiring
-from pipeline.boards import Heartbeats, IntakeJournal, StatsBoard
+from pipeline.boards import DrainOrder, Heartbeats, IntakeJournal, StatsBoard
 from pipeline.config import WorkerConfig, setup_logging
 from pipeline.loop import Env, Loop, RingChannel
 from pipeline.runtime import SHUTTING_DOWN, SignalFlag
@@ -77,7 +77,7 @@ class StageHost:
         self.stats_board = StatsBoard.attach(p, run_id)
         self._stats_at = 0.0
         self._busy_window_at = time.monotonic()
-        self._closing = 0.0
+        self.drain_seen = DrainOrder.NONE  # the last drain order acted on
         self.loop = self.stage = None
         shared = wiring.attach_shared(cfg, run_id)
         self.journal = IntakeJournal.attach(p, run_id)
@@ -101,14 +101,14 @@ class StageHost:
     def _beat(self) -> None:
         now = time.monotonic()
         self.row[Heartbeats.BEAT] = now
-        close = self.row[Heartbeats.CLOSE]
-        if close > self._closing:  # a drain: read the socket to the end (refusing, at 2)
-            self._closing = close
-            if close >= 2:
+        order = self.hb.drain_order(self.name)
+        if order > self.drain_seen:  # a drain: read the socket to the end
+            self.drain_seen = order
+            if order is DrainOrder.REFUSE:
                 self.stage.refuse(SHUTTING_DOWN)
             self.loop.close_when_read(self.stage)
-        if close and self.loop.read_to_the_end(self.stage):
-            self.row[Heartbeats.CLOSED] = close
+        if order is not DrainOrder.NONE and self.loop.read_to_the_end(self.stage):
+            self.hb.report_drained(self.name, order)
         if os.getppid() != self.parent:
             # The supervisor is gone (killed whole): nobody can restart or clean up after
             # us; the next start with this prefix sweeps the shared objects.

@@ -111,7 +111,9 @@ def read_run(prefix: str, run_id: str, pid: int) -> dict:
             now = time.monotonic()
             stages = {}
             for stage in hb.stages:
-                pid, beat, ready, restarts, busy = (float(x) for x in hb.row(stage)[:Heartbeats.CLOSE])
+                row = hb.row(stage)
+                pid, beat, ready, restarts, busy = (float(row[field]) for field in (
+                    Heartbeats.PID, Heartbeats.BEAT, Heartbeats.READY, Heartbeats.RESTARTS, Heartbeats.BUSY))
                 stages[stage] = {
                     "pid": int(pid), "alive": _pid_alive(int(pid)), "ready": bool(ready),
                     "heartbeat_age_s": round(max(0.0, now - beat), 3), "busy_ratio": round(busy, 3),
@@ -120,7 +122,7 @@ def read_run(prefix: str, run_id: str, pid: int) -> dict:
         finally:
             hb.close()
         out["stages"] = stages
-        cache = StatsBoard(segment("stats")).read("cache").get("cache")
+        cache = StatsBoard(segment("stats")).read(registry.CACHE).get("cache")
         if cache:
             out["cache"] = {tier: {"bytes": cache[f"{tier}_bytes"], "budget_bytes": cache[f"{tier}_budget"],
                                    "entries": cache[f"{tier}_entries"]} for tier in ("arena", "host")}

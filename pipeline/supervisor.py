@@ -2,10 +2,10 @@
 
 The supervisor owns every shared object: it creates them, starts the stages (in
 registry.start_order: the others need the towers' spec), watches them (exit, or a
-heartbeat older than `heartbeat_timeout_s`: killed), and when one dies fails exactly
-the rooms it held, reclaims its arena references, writes its last words on its own
-rings (registry.last_words: a tower replica's tell the scheduler it is gone), and
-restarts it with backoff; the successor continues from its input rings and from what
+heartbeat older than `heartbeat_timeout_s`: killed), and when one dies has its
+Reclaimer (pipeline/reclaim.py) fail exactly the rooms it held, reclaim its arena
+references and write its last words on its own rings (registry.last_words: a tower
+replica's tell the scheduler it is gone), and restarts it with backoff; the successor continues from its input rings and from what
 its predecessor left in shared memory (its `start()`). More than `restart_limit`
 restarts within `restart_window_s` end the run. Each tower replica is a stage of its
 own: it dies, is restarted and fails its rooms alone.
@@ -25,13 +25,13 @@ from dataclasses import asdict
 from ipc import shm
 from ipc.ring import Ring
 from pipeline import numa, wiring
-from pipeline.boards import Heartbeats, IntakeJournal, StatsBoard
+from pipeline.boards import DrainOrder, Heartbeats, IntakeJournal, StatsBoard
 from pipeline.metrics import MetricsError, MetricsServer, Snapshot, StageTotals, merge_stats
-from pipeline.runtime import Runtime, SignalFlag, StartError
+from pipeline.reclaim import Reclaimer
+from pipeline.runtime import RunResources, Serving, SignalFlag, StartError
 from pipeline.stage_process import DUMP_STACKS, stage_process
 from stages import registry
-from stages.records import RoomsLost
-from stages.registry import REQUEST_STAGE
+from stages.registry import REQUEST_STAGE, SUPERVISOR
 
 log = logging.getLogger("epd.supervisor")
 
@@ -40,46 +40,73 @@ class PipelineError(StartError):
     """The pipeline could not start."""
 
 
-class Supervisor(Runtime):
+class PipelineTables:
+    """The pipeline's shared objects besides the run's: a doorbell per stage, a ring per
+    edge, the heartbeats, intake's journal and the stats board; the run closes all but
+    the doorbells (close_doorbells)."""
+
+    def __init__(self, run: RunResources, stages: list[str], edges: list[tuple[str, str]]):
+        cfg, p, run_id = run.cfg, run.cfg.shm_prefix, run.run_id
+        self.bells = []
+        try:
+            for stage in stages:
+                name = shm.object_name(p, run_id, wiring.doorbell_name(stage))
+                self.bells.append((name, shm.create_semaphore(name)))
+            self.rings = {}
+            for src, dst in edges:
+                self.rings[(src, dst)] = run.own(Ring.create(
+                    p, run_id, wiring.ring_name(src, dst), cfg.ring_bytes,
+                    doorbell=shm.object_name(p, run_id, wiring.doorbell_name(dst))))
+            self.hb = run.own(Heartbeats.create(p, run_id, stages))
+            self.journal = run.own(IntakeJournal.create(p, run_id))
+            self.stats_board = run.own(StatsBoard.create(p, run_id, stages))
+        except BaseException:
+            self.close_doorbells()
+            raise
+
+    def close_doorbells(self) -> None:
+        for name, sem in self.bells:
+            sem.close()
+            shm.unlink_semaphore(name)
+        self.bells = []
+
+
+class Supervisor:
+    """The pipeline's runtime: its run's resources and tables, the stage processes
+    (spawned, watched, restarted, stopped here), what a dead one held (Reclaimer), and
+    serving and the drain (Serving, with this as its StageControl)."""
+
     def __init__(self, cfg):
         cfg = cfg.resolved().validate()
         self.stages = registry.stage_names(cfg.tower_replicas)
-        self.edges = wiring.edges(cfg.tower_replicas)
-        placement = numa.placement(cfg)  # each stage's CPUs (None: unpinned)
-        if any(placement.values()):
+        edges = wiring.edges(cfg.tower_replicas)
+        self.placement = numa.placement(cfg)  # each stage's CPUs (None: unpinned)
+        if any(self.placement.values()):
             log.info("NUMA placement: %s", ", ".join(f"{s} on CPUs {numa.format_cpulist(c)}" if c else
-                                                     f"{s} unpinned" for s, c in placement.items()))
-        self.placement = placement
-        self._bells = []
+                                                     f"{s} unpinned" for s, c in self.placement.items()))
+        self.run = RunResources(cfg, {"rings": len(edges) * cfg.ring_bytes}, self.placement)
+        try:
+            self.tables = PipelineTables(self.run, self.stages, edges)
+        except BaseException:
+            self.run.close()
+            raise
+        self.cfg, self.run_id, self.shared, self.rooms = self.run.cfg, self.run.run_id, self.run.shared, self.run.rooms
+        self.rings, self.hb = self.tables.rings, self.tables.hb
+        self.journal, self.stats_board = self.tables.journal, self.tables.stats_board
+        self.serving = Serving(self.run, self)
+        self.reclaimer = Reclaimer(self.shared, self.rings, self.tell_reaper)
+        self.totals = StageTotals(self.stages)
+        self.metrics: MetricsServer | None = None  # the Prometheus endpoint; .port is the one bound
         self.procs: dict[str, mp.Process] = {}
         self.restarts: deque = deque()
         self.restart_counts = {name: 0 for name in self.stages}
         self.pending_restart: dict[str, float] = {}
         self.fatal: str | None = None
+        self.spec_kwargs: dict | None = None  # the towers' spec, as the first tower answered it
+        self._mp = mp.get_context("spawn")
         self._hung: dict[str, int] = {}  # stage -> pid of the process the hang killer SIGKILLed
         self._watching = threading.Event()  # cleared to stop the hang killer
         self._hang_killer: threading.Thread | None = None
-        self.spec_kwargs: dict | None = None
-        self._mp = mp.get_context("spawn")
-        self.metrics: MetricsServer | None = None  # the Prometheus endpoint; .port is the one bound
-        self.totals = StageTotals(self.stages)
-        super().__init__(cfg, {"rings": len(self.edges) * cfg.ring_bytes}, placement)
-        cfg, p, run_id = self.cfg, self.cfg.shm_prefix, self.run_id
-        try:
-            for stage in self.stages:
-                name = shm.object_name(p, run_id, wiring.doorbell_name(stage))
-                self._bells.append((name, shm.create_semaphore(name)))
-            self.rings = {}
-            for src, dst in self.edges:
-                self.rings[(src, dst)] = self.own(Ring.create(
-                    p, run_id, wiring.ring_name(src, dst), cfg.ring_bytes,
-                    doorbell=shm.object_name(p, run_id, wiring.doorbell_name(dst))))
-            self.hb = self.own(Heartbeats.create(p, run_id, self.stages))
-            self.journal = self.own(IntakeJournal.create(p, run_id))
-            self.stats_board = self.own(StatsBoard.create(p, run_id, self.stages))
-        except BaseException:
-            self.close()
-            raise
 
     # ------------------------------------------------------------ processes
     def _spawn(self, name: str) -> tuple[mp.Process, object]:
@@ -92,7 +119,7 @@ class Supervisor(Runtime):
         row[Heartbeats.READY] = 0.0
         row[Heartbeats.BEAT] = time.monotonic()
         row[Heartbeats.BUSY] = 0.0
-        row[Heartbeats.CLOSED] = 0.0  # a predecessor's answer is not this one's
+        self.hb.report_drained(name, DrainOrder.NONE)  # a predecessor's answer is not this one's
         proc.start()
         child.close()
         return proc, parent
@@ -100,7 +127,7 @@ class Supervisor(Runtime):
     def _await_ready(self, name: str, proc, conn, timeout: float) -> None:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            self.turned()  # a tower may take minutes to load: the supervisor is alive meanwhile
+            self.serving.turned()  # a tower may take minutes to load: the supervisor is alive meanwhile
             if conn.poll(0.05):
                 try:
                     kind, payload = conn.recv()
@@ -123,7 +150,8 @@ class Supervisor(Runtime):
         try:
             if self.cfg.metrics_endpoint:
                 try:
-                    self.metrics = MetricsServer(self.cfg.metrics_endpoint, self.metrics_snapshot, self.health)
+                    self.metrics = MetricsServer(self.cfg.metrics_endpoint, self.metrics_snapshot,
+                                                 self.serving.health)
                 except MetricsError as e:
                     raise PipelineError(str(e)) from None
             self._watching.set()
@@ -131,7 +159,7 @@ class Supervisor(Runtime):
             self._hang_killer.start()
             order = registry.start_order(self.cfg.tower_replicas)
             for n, name in enumerate(order, 1):
-                self.notifier.status(f"starting the {name} stage ({n} of {len(order)})")
+                self.run.notifier.status(f"starting the {name} stage ({n} of {len(order)})")
                 proc, conn = self._spawn(name)
                 self.procs[name] = proc
                 self._await_ready(name, proc, conn, self.cfg.start_timeout_s)
@@ -144,6 +172,22 @@ class Supervisor(Runtime):
         from stages.towers import TowerSpec
 
         return TowerSpec(**self.spec_kwargs)
+
+    # ------------------------------------------------------------ serving (Serving's)
+    def serve(self, stop: SignalFlag, second: SignalFlag | None = None) -> int:
+        return self.serving.serve(stop, second)
+
+    def drain(self, deadline_s: float, cut_short=lambda: False) -> None:
+        self.serving.drain(deadline_s, cut_short)
+
+    def fail_live(self, reason: str) -> None:
+        self.serving.fail_live(reason)
+
+    def health(self) -> dict:
+        return self.serving.health()
+
+    def live_rooms(self) -> list:
+        return self.run.live_rooms()
 
     # ------------------------------------------------------------ watching
     def watch(self, stop: SignalFlag) -> None:
@@ -197,24 +241,7 @@ class Supervisor(Runtime):
         with self.totals.lock:  # its successor counts from zero: keep what it had counted
             self.totals.retire(name, self.stats_board.read(name))
             self.stats_board.write(name, {})
-        owner = registry.owner_of(name)
-        bit = 1 << owner
-        # Failed rooms it still held too: the sender holds a failed room until no write of
-        # it is in flight, and the reaper tells its receivers only then (its death is that
-        # fence). Left out, such a room was live nowhere and nobody ever told them.
-        claimed = self.rooms.held_by(bit, failed_too=True)
-        held = [(e.slot, e.room) for e in claimed if e.live]
-        fencing = [(e.slot, e.room) for e in claimed if not e.live]
-        for slot, room in held + fencing:
-            self.rooms.unhold(slot, room, bit)
-        self.shared.pixel_arena.reclaim(owner)
-        self.shared.emb_arena.reclaim(owner)
-        log.error("the %s stage %s; failing the %d rooms it held: room=%s%s", name, why, len(held),
-                  ",".join(str(room) for _, room in held[:20]) + (",..." if len(held) > 20 else ""),
-                  f" (and {len(fencing)} failed rooms it still held)" if fencing else "")
-        self.tell_reaper(RoomsLost(tuple(held + fencing), f"the {name} stage died while it held this room",
-                                   died=name))
-        self._say_last_words(name)
+        self.reclaimer.stage_died(name, why)
         now = time.monotonic()
         self.restarts.append((now, name))
         while self.restarts and self.restarts[0][0] < now - self.cfg.restart_window_s:
@@ -243,15 +270,8 @@ class Supervisor(Runtime):
         log.warning("restarted the %s stage (pid %d, restart %d)", name, proc.pid, self.restart_counts[name])
         self.hb.row(name)[Heartbeats.RESTARTS] = self.restart_counts[name]
 
-    def _say_last_words(self, name: str) -> None:
-        """Push the dead stage's last words on its own rings: nobody else produces there
-        until its successor starts (its start() may have pushed already: these go after)."""
-        for dest, record in registry.last_words(name):
-            if not self.rings[(name, dest)].push(pickle.dumps(record, protocol=5), timeout=5.0):
-                log.error("the %s's ring from %s is full: could not deliver %s", dest, name, type(record).__name__)
-
     def _died_at_start(self, name: str) -> None:
-        self._say_last_words(name)
+        self.reclaimer.say_last_words(name)
         now = time.monotonic()
         self.restarts.append((now, name))
         if len(self.restarts) > self.cfg.restart_limit:
@@ -262,8 +282,8 @@ class Supervisor(Runtime):
         # Into the ring whether or not the reaper is alive now: the ring outlives it, and a
         # successor continues from it (a RoomsLost dropped here would leave rooms whose
         # custody was just cleared live, held by nobody).
-        (dest,) = wiring.outputs_of("supervisor", self.cfg.tower_replicas)
-        if not self.rings[("supervisor", dest)].push(pickle.dumps(record, protocol=5), timeout=5.0):
+        dest = wiring.supervisor_reader()
+        if not self.rings[(SUPERVISOR, dest)].push(pickle.dumps(record, protocol=5), timeout=5.0):
             log.error("the %s's ring is full: could not deliver %s", dest, type(record).__name__)
             return False
         proc = self.procs.get(dest)
@@ -312,17 +332,16 @@ class Supervisor(Runtime):
     # ------------------------------------------------------------ stopping
     def close_intake(self, refusing: str = "") -> None:
         # The stage reads its ask at its next beat; a successor started meanwhile, too.
-        self.hb.row(REQUEST_STAGE)[Heartbeats.CLOSE] = 2.0 if refusing else 1.0
+        self.hb.order_drain(REQUEST_STAGE, DrainOrder.REFUSE if refusing else DrainOrder.FINISH_READ)
 
     def intake_closed(self) -> bool:
         proc = self.procs.get(REQUEST_STAGE)
         if proc is None or not proc.is_alive():
             return True  # its socket went with it
-        row = self.hb.row(REQUEST_STAGE)
-        return row[Heartbeats.CLOSED] >= row[Heartbeats.CLOSE]
+        return self.hb.drained(REQUEST_STAGE)
 
     def settled(self) -> bool:
-        (dest,) = wiring.outputs_of("supervisor", self.cfg.tower_replicas)
+        dest = wiring.supervisor_reader()
         return not any(ring.depth() for (src, dst), ring in self.rings.items() if dest in (src, dst))
 
     def stop_all(self) -> None:
@@ -367,8 +386,5 @@ class Supervisor(Runtime):
             self.metrics.close()
             self.metrics = None
         self._stop_processes(5.0)
-        super().close()
-        for name, sem in self._bells:
-            sem.close()
-            shm.unlink_semaphore(name)
-        self._bells = []
+        self.run.close()
+        self.tables.close_doorbells()

@@ -17,6 +17,7 @@ from ipc.told import ToldTable
 from pipeline import numa
 from pipeline.config import WorkerConfig
 from stages import registry
+from stages.registry import CACHE, INTAKE, REAPER, SCHEDULER, SENDER, SUPERVISOR, TOWER
 
 
 # (producer, consumer) between stage kinds; `edges()` gives each tower replica its own.
@@ -25,22 +26,22 @@ EDGES = [
     # reaper must learn of a sender's death (RoomsLost) before it handles what the
     # successor sender answers (a Fenced that names only the receivers the successor
     # saw), or it tells only those and a receiver whose alloc died waits for ever.
-    ("supervisor", "reaper"),
+    (SUPERVISOR, REAPER),
     # then items: they are on the critical path (the sender holds an item that
     # overtakes its room's RoomOpened until the room arrives)
-    ("intake", "cache"), ("intake", "sender"), ("intake", "reaper"),
-    ("cache", "scheduler"), ("cache", "sender"), ("cache", "reaper"),
-    ("scheduler", "tower"), ("scheduler", "reaper"), ("scheduler", "cache"),
-    ("tower", "sender"), ("tower", "cache"), ("tower", "scheduler"), ("tower", "reaper"),
-    ("sender", "reaper"),
-    ("reaper", "sender"), ("reaper", "cache"), ("reaper", "scheduler"),
+    (INTAKE, CACHE), (INTAKE, SENDER), (INTAKE, REAPER),
+    (CACHE, SCHEDULER), (CACHE, SENDER), (CACHE, REAPER),
+    (SCHEDULER, TOWER), (SCHEDULER, REAPER), (SCHEDULER, CACHE),
+    (TOWER, SENDER), (TOWER, CACHE), (TOWER, SCHEDULER), (TOWER, REAPER),
+    (SENDER, REAPER),
+    (REAPER, SENDER), (REAPER, CACHE), (REAPER, SCHEDULER),
 ]
 
 
 def edges(replicas: int) -> list[tuple[str, str]]:
     """(producer, consumer) with `replicas` towers: one single-producer single-consumer ring each."""
     towers = registry.tower_names(replicas)
-    expand = lambda stage: towers if stage == registry.TOWER else [stage]  # noqa: E731
+    expand = lambda stage: towers if stage == TOWER else [stage]  # noqa: E731
     return [(p, c) for src, dst in EDGES for p in expand(src) for c in expand(dst)]
 
 
@@ -50,6 +51,12 @@ def inputs_of(stage: str, replicas: int) -> list[str]:
 
 def outputs_of(stage: str, replicas: int) -> list[str]:
     return [c for p, c in edges(replicas) if p == stage]
+
+
+def supervisor_reader() -> str:
+    """The one stage the supervisor's records (RoomsLost) go to, in either mode."""
+    (reader,) = (c for p, c in EDGES if p == SUPERVISOR)
+    return reader
 
 
 def ring_name(producer: str, consumer: str) -> str:
@@ -135,7 +142,7 @@ def create_shared(cfg: WorkerConfig, run_id: str, own, placement: dict | None = 
     replica, each touched on its replica's CPUs."""
     placement = placement or {}
     p = cfg.shm_prefix
-    with numa.first_touch(placement.get("intake")):
+    with numa.first_touch(placement.get(INTAKE)):
         pixel_arena = own(Arena.create(p, run_id, "pixels", cfg.pixel_arena_bytes))
     towers = registry.tower_names(cfg.tower_replicas)
     emb_arena = own(Arena.create(p, run_id, "emb", cfg.embedding_arena_bytes, slices=len(towers),

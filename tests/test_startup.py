@@ -214,7 +214,7 @@ def test_next_start_sweeps_exactly_what_a_killed_run_left(next_mode, shm_prefix,
         (tmp_path / "live").mkdir()
         live = start_worker(live_mode, sim_config(shm_prefix, tmp_path / "live"))
         made.append(live)
-        live_run = live.runtime.lock.run_id
+        live_run = live.runtime.run_id
         live_objects = set(shm.list_objects(shm_prefix, live_run))
         assert set(shm.list_objects(shm_prefix, killed_run)) == killed, "a live run's start swept another live run"
         decoys = _decoys(shm_prefix)
