@@ -20,7 +20,9 @@ from ipc.rooms import RoomTable
 from ipc import wire
 from pipeline.client import Client, Item
 from pipeline.receiver import Receiver
-from stages.intake import Intake
+from stages import registry, segments
+from stages.intake import IntakeStage
+from stages.records import RoomFailure, WorkItem
 from tests.helpers import PATCH_DIM, expected_sim_rows, image, sim_config, start_worker
 
 pytestmark = pytest.mark.timeout(300)
@@ -171,18 +173,42 @@ def test_unreadable_mode_and_ownership(env, shm_prefix):
             os.unlink(shm.SHM_DIR + name)
 
 
+class IntakeRig:
+    """An intake stage over real shared memory, without sockets: frames go straight to
+    its handle(); `handle` returns what it emitted for that frame."""
+
+    def __init__(self, prefix):
+        run_id = shm.new_run_id()
+        self.arena = Arena.create(prefix, run_id, "pixels", 4 << 20)
+        self.rooms = RoomTable.create(prefix, run_id, "rooms", 64)
+        self.sent: list[tuple[str, object]] = []
+        self.stage = IntakeStage(lambda dest, rec: self.sent.append((dest, rec)), prefix=prefix,
+                                 pixel_arena=self.arena, rooms=self.rooms, patch_dim=PATCH_DIM, merge=2,
+                                 row_bytes=192, emb_arena_bytes=32 << 20, max_items_per_request=8,
+                                 max_pixel_bytes_per_request=1 << 20, max_live_rooms=32)
+
+    def handle(self, msg: dict) -> list[tuple[str, object]]:
+        self.stage.handle("socket", wire.encode(msg))
+        sent, self.sent = self.sent, []
+        return sent
+
+    def items(self, msg: dict) -> list[WorkItem]:
+        """The items of a request intake takes, as they go to the cache."""
+        return [rec for dest, rec in self.handle(msg) if dest == registry.CACHE]
+
+    def close(self) -> None:
+        for obj in (self.arena, self.rooms):
+            obj.close()
+            obj.unlink()
+
+
 @pytest.fixture
 def intake(shm_prefix):
-    """An Intake over real shared memory, without sockets: frames go straight to handle()."""
-    run_id = shm.new_run_id()
-    arena = Arena.create(shm_prefix, run_id, "pixels", 4 << 20)
-    rooms = RoomTable.create(shm_prefix, run_id, "rooms", 64)
-    yield Intake(prefix=shm_prefix, run_id=run_id, pixel_arena=arena, rooms=rooms, patch_dim=PATCH_DIM,
-                 merge=2, row_bytes=192, emb_arena_bytes=32 << 20, max_items_per_request=8,
-                 max_pixel_bytes_per_request=1 << 20, max_live_rooms=32)
-    for obj in (arena, rooms):
-        obj.close()
-        obj.unlink()
+    rig = IntakeRig(shm_prefix)
+    try:
+        yield rig
+    finally:
+        rig.close()
 
 
 @pytest.mark.parametrize("change", ["truncated", "grown", "truncated mid-read"])
@@ -195,10 +221,10 @@ def test_segment_changed_after_the_worker_took_it(intake, shm_prefix, monkeypatc
     try:
         os.write(fd, Item("image", *image(5)).pixels.tobytes())
         new_size = {"truncated": 100, "grown": IMAGE_BYTES + 4096, "truncated mid-read": 100}[change]
-        real_take, real_fstat = intake._take_segments, os.fstat
+        real_take, real_fstat = segments.take, os.fstat
 
-        def take_then_change(msg):
-            taken = real_take(msg)
+        def take_then_change(prefix, names):
+            taken = real_take(prefix, names)
             assert isinstance(taken[name], int), taken[name]
             if change == "truncated mid-read":
                 # the size check sees the old size; the file shrinks before pread runs
@@ -211,15 +237,16 @@ def test_segment_changed_after_the_worker_took_it(intake, shm_prefix, monkeypatc
                 os.ftruncate(fd, new_size)
             return taken
 
-        monkeypatch.setattr(intake, "_take_segments", take_then_change)
-        res = intake.handle(wire.encode(segment_msg(7, name)))
+        monkeypatch.setattr(segments, "take", take_then_change)
+        sent = intake.handle(segment_msg(7, name))
         monkeypatch.undo()
-        assert res.failure is not None and res.items is None
+        [(dest, failure)] = sent  # the room fails, and nothing else goes out
+        assert dest == registry.REAPER and isinstance(failure, RoomFailure)
         want = {"truncated": "holds 100 bytes", "grown": f"holds {IMAGE_BYTES + 4096} bytes",
                 "truncated mid-read": "shrank while it was read"}[change]
-        assert want in res.failure.reason, res.failure.reason
+        assert want in failure.reason, failure.reason
         assert not os.path.exists(shm.SHM_DIR + name)  # taken: the worker's to unlink
-        assert intake.pixel_arena.used_bytes() == 0 and not intake.pixel_arena.live_leases()
+        assert intake.arena.used_bytes() == 0 and not intake.arena.live_leases()
     finally:
         os.close(fd)
         if os.path.exists(shm.SHM_DIR + name):
@@ -246,13 +273,12 @@ def test_a_room_the_reaper_records_while_intake_reads_its_request_is_a_duplicate
     msg = {"v": 1, "type": "encode", "request_id": "raced", "room": room,
            "items": [{"modality": "image", "grid_thw": [[1, 4, 4] if good else [1, 3, 4]],
                       "pixels": {"data": image(5)[1].tobytes(), "shape": [16, PATCH_DIM], "dtype": "float32"}}]}
-    res = intake.handle(wire.encode(msg))
-    assert res.opened is None and res.failure is None and not res.items
-    assert intake.dropped["duplicate room"] == 1
-    assert intake.pixel_arena.used_bytes() == 0
+    assert intake.handle(msg) == [], "no room opened, none failed"
+    assert intake.stage.dropped["duplicate room"] == 1
+    assert intake.arena.used_bytes() == 0
 
 
-def test_segment_name_rules(intake, shm_prefix):
+def test_segment_name_rules(shm_prefix):
     p = shm_prefix
     ok = [f"/{p}.px.1", f"/{p}", f"/{p}x y", f"/{p}..", f"/{p}-notours"]
     bad = {"/other.px": "outside", f"{p}.px": "outside", f"/{p}/x": "may not contain",
@@ -261,9 +287,9 @@ def test_segment_name_rules(intake, shm_prefix):
            f"/sem.{p}-0123abcd-x": "outside", f"/{p}" + "x" * 300: "longer than 255",
            f"/{p}-0123abcd-pixels": "own objects"}
     for name in ok:
-        assert intake.segment_name_problem(name) is None, name
+        assert segments.name_problem(p, name) is None, name
     for name, why in bad.items():
-        problem = intake.segment_name_problem(name)
+        problem = segments.name_problem(p, name)
         assert problem and why in problem, (name, problem)
 
 
@@ -378,7 +404,7 @@ def test_tombstones_bound(env):
     (its id may be used again) and the reaper's and the room table's memory stay bounded,
     also for rooms it only ever heard about from allocs."""
     w, client, rx = env(max_tombstones=5, bootstrap_timeout_s=0.5)
-    reaper, rooms = w.runtime.stages["reaper"].reaper, w.runtime.rooms
+    reaper, rooms = w.runtime.stages["reaper"], w.runtime.rooms
     unknown = [next(_rooms) for _ in range(8)]
     for room in unknown:                                  # allocs for rooms never seen
         rx.alloc(room, 0, **SPAN4)
@@ -478,32 +504,27 @@ def test_intake_hashes_pixels_as_it_reads_them(intake, shm_prefix, monkeypatch):
     """The hash intake takes piece by piece while reading (a piece smaller than the
     segment, so several) is the cache's content hash of the whole; with the client's
     hash trusted, intake does not hash."""
-    import stages.intake as intake_mod
-
-    monkeypatch.setattr(intake_mod, "READ_PIECE", 1000)  # not a multiple of anything
+    monkeypatch.setattr(segments, "READ_PIECE", 1000)  # not a multiple of anything
     name = f"/{shm_prefix}.px.hashed"
     data = write_file(shm.SHM_DIR + name, Item("image", *image(9)).pixels.tobytes())
-    res = intake.handle(wire.encode(segment_msg(21, name)))
-    (w,) = res.items
+    (w,) = intake.items(segment_msg(21, name))
     want = wire.content_hash("image", ((1, 4, 4),), "float32", data)
-    assert w.pixel_hash == want and bytes(intake.pixel_arena.view(w.pixels)) == data
+    assert w.pixel_hash == want and bytes(intake.arena.view(w.pixels)) == data
 
-    intake.trust_client_hash = True
+    intake.stage.trust_client_hash = True
     name2 = f"/{shm_prefix}.px.trusted"
     write_file(shm.SHM_DIR + name2, data)
     msg = segment_msg(22, name2)
     msg["items"][0]["hash"] = 12345
-    (w2,) = intake.handle(wire.encode(msg)).items
+    (w2,) = intake.items(msg)
     assert w2.pixel_hash is None and w2.client_hash == 12345
     for lease in (w.pixels, w2.pixels):
-        intake.pixel_arena.drop(lease, 1)
+        intake.arena.drop(lease, 1)
 
 
 def test_intake_closes_every_segment_it_takes(intake, shm_prefix):
     """A small segment's descriptor is closed before handle() returns; a large one's (its
     last close frees its pages) by intake's closer thread soon after. None stays open."""
-    import stages.intake as intake_mod
-
     def open_segments() -> list[str]:
         found = []
         for fd in os.listdir("/proc/self/fd"):
@@ -524,14 +545,14 @@ def test_intake_closes_every_segment_it_takes(intake, shm_prefix):
         msg = segment_msg(40 + k, name)
         msg["items"][0]["grid_thw"] = [list(grid)]
         msg["items"][0]["pixels"]["shape"] = list(it.pixels.shape)
-        (w,) = intake.handle(wire.encode(msg)).items
+        (w,) = intake.items(msg)
         leases.append(w.pixels)
         if k == 0:
             assert open_segments() == []
-    assert sizes[0] <= intake_mod.CLOSE_INLINE_BYTES < sizes[1]  # one of each way
+    assert sizes[0] <= segments.CLOSE_INLINE_BYTES < sizes[1]  # one of each way
     deadline = time.monotonic() + 10
     while open_segments() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert open_segments() == []
     for lease in leases:
-        intake.pixel_arena.drop(lease, 1)
+        intake.arena.drop(lease, 1)
