@@ -27,7 +27,7 @@ from stages.embedding_cache import (
     make_key,
     split_entry,
 )
-from stages.cache import CacheStage, HashCache
+from stages.cache import CacheStage
 from stages.records import OWNER_CACHE, OWNER_INTAKE, OWNER_TOWER, Encoded, EncodeFailed, ReadyItem, RoomAbandoned, WorkItem
 
 CACHE, CALLER, READER, HOG = 0, 1, 2, 3
@@ -494,9 +494,9 @@ class CacheRig:
         self.pixel_arena = Arena.create(prefix, run_id, "pixels", ARENA_SIZE, block_size=BLOCK)
         self.emb_arena = Arena.create(prefix, run_id, "emb", ARENA_SIZE, block_size=BLOCK)
         cache = EmbeddingCache(self.emb_arena, OWNER_CACHE, arena_budget=4096, host_budget=4096)
-        hc = HashCache(pixel_arena=self.pixel_arena, cache=cache, hidden=4, dtype="float32")
         self.sent: list[tuple[str, object]] = []
-        self.stage = CacheStage(lambda dest, rec: self.sent.append((dest, rec)), hc, self.emb_arena)
+        self.stage = CacheStage(lambda dest, rec: self.sent.append((dest, rec)), pixel_arena=self.pixel_arena,
+                                cache=cache, hidden=4, dtype="float32")
 
     def item(self, room: int) -> WorkItem:
         """Intake hands over an item of `room` (pixels in our arena, intake's reference)."""
@@ -504,7 +504,7 @@ class CacheRig:
         self.pixel_arena.view(lease)[:] = PIXELS
         w = WorkItem(slot=room, room=room, item=0, seq=room, modality="image", grid_thw=((1, 2, 2),),
                      pixel_dtype="float32", n_patches=4, patch_dim=1, span=1, pixels=lease)
-        keyed = replace(w, key=self.stage.hc.key_of(w))  # as the cache passes it on
+        keyed = replace(w, key=self.stage.key_of(w))  # as the cache passes it on
         self.stage.handle("intake", w)
         return keyed
 
@@ -602,5 +602,5 @@ def test_late_result_of_replaced_item_sends_nothing_twice(rig, late):
         expected = [(3, b"\xbb" * 16)]
     assert rig.received(rig.take("sender")) == expected, "each waiter gets exactly one ReadyItem"
     assert rig.sent == [], "no second encode of b, no failure of a room that did not fail"
-    assert len(rig.stage.hc.inflight) == 0
+    assert len(rig.stage.inflight) == 0
     rig.check_no_leaks()
