@@ -1,4 +1,5 @@
-"""The scheduler: FIFO determinism, budgets, maximal batches, room removal, backpressure."""
+"""The scheduler's batch queue (FIFO determinism, budgets, maximal batches, room removal,
+backpressure) and the scheduler stage (credits, replicas)."""
 from __future__ import annotations
 
 import itertools
@@ -11,14 +12,15 @@ from ipc import shm
 from ipc.arena import Arena
 from stages.records import (OWNER_CACHE, OWNER_SCHEDULER, RoomAbandoned, TowerCredit, TowerDown, TowerRestarted,
                             WorkItem)
-from stages.scheduler import Pending, Scheduler, SchedulerStage
+from stages.batch_queue import BatchQueue, Entry
+from stages.scheduler import SchedulerStage
 
 budgets = st.tuples(st.integers(1, 64), st.integers(1, 8))
 
 
 @st.composite
 def arrivals(draw, max_size=60):
-    """Pending items with unique (room, item); seqs may tie, arrive in any order."""
+    """Entries with unique (room, item); seqs may tie, arrive in any order."""
     n = draw(st.integers(0, max_size))
     out = []
     seen = set()
@@ -29,12 +31,12 @@ def arrivals(draw, max_size=60):
             continue
         seen.add((room, item))
         seq = draw(st.integers(0, 30))
-        span = draw(st.one_of(st.integers(1, 20), st.integers(0, 100)))
-        out.append(Pending(seq, room, item, span, payload=("p", room, item)))
+        tokens = draw(st.one_of(st.integers(1, 20), st.integers(0, 100)))
+        out.append(Entry(seq, room, item, tokens, payload=("p", room, item)))
     return draw(st.permutations(out))
 
 
-def drain(s: Scheduler, reserve=None) -> list[list[Pending]]:
+def drain(s: BatchQueue, reserve=None) -> list[list[Entry]]:
     batches = []
     while len(s):
         b = s.next_batch(reserve)
@@ -47,13 +49,13 @@ def drain(s: Scheduler, reserve=None) -> list[list[Pending]]:
 def check_batches(batches, max_tokens, max_items):
     for i, b in enumerate(batches):
         assert 1 <= len(b) <= max_items
-        tokens = sum(p.span for p in b)
+        tokens = sum(p.tokens for p in b)
         if tokens > max_tokens:
             assert len(b) == 1, "only a lone oversize item may exceed the token budget"
-            assert b[0].span > max_tokens
+            assert b[0].tokens > max_tokens
         if i + 1 < len(batches):
             nxt = batches[i + 1][0]
-            assert len(b) == max_items or tokens + nxt.span > max_tokens, (
+            assert len(b) == max_items or tokens + nxt.tokens > max_tokens, (
                 "batch is not maximal: the next item would have fit"
             )
 
@@ -61,11 +63,11 @@ def check_batches(batches, max_tokens, max_items):
 @given(arrivals(), budgets)
 def test_batches_are_fifo_within_budget_and_maximal(items, budget):
     max_tokens, max_items = budget
-    s = Scheduler(max_tokens, max_items)
+    s = BatchQueue(max_tokens, max_items)
     for p in items:
         s.add(p)
     assert len(s) == len(items)
-    assert s.pending_tokens() == sum(p.span for p in items)
+    assert s.pending_tokens() == sum(p.tokens for p in items)
     batches = drain(s)
     flat = [p for b in batches for p in b]
     assert flat == sorted(items)
@@ -78,8 +80,8 @@ def test_batches_are_fifo_within_budget_and_maximal(items, budget):
 def test_interleaved_adds_keep_order_of_what_is_pending(first, second, budget, data):
     """Adding while draining: each batch is the maximal sorted prefix of what is pending."""
     max_tokens, max_items = budget
-    s = Scheduler(max_tokens, max_items)
-    model: list[Pending] = []
+    s = BatchQueue(max_tokens, max_items)
+    model: list[Entry] = []
     keys = set()
     for p in first:
         s.add(p)
@@ -106,7 +108,7 @@ def test_interleaved_adds_keep_order_of_what_is_pending(first, second, budget, d
 
 @given(arrivals(), budgets, st.integers(0, 5))
 def test_remove_room_removes_exactly_that_room(items, budget, room):
-    s = Scheduler(*budget)
+    s = BatchQueue(*budget)
     for p in items:
         s.add(p)
     gone = s.remove_room(room)
@@ -115,7 +117,7 @@ def test_remove_room_removes_exactly_that_room(items, budget, room):
     assert room not in s.rooms()
     rest = sorted(p for p in items if p.room != room)
     assert len(s) == len(rest)
-    assert s.pending_tokens() == sum(p.span for p in rest)
+    assert s.pending_tokens() == sum(p.tokens for p in rest)
     flat = [p for b in drain(s) for p in b]
     assert flat == rest
 
@@ -123,14 +125,14 @@ def test_remove_room_removes_exactly_that_room(items, budget, room):
 @given(arrivals(), budgets, st.lists(st.booleans(), max_size=200))
 def test_reserve_false_holds_back_the_same_batch(items, budget, answers):
     max_tokens, max_items = budget
-    ref = Scheduler(max_tokens, max_items)
-    s = Scheduler(max_tokens, max_items)
+    ref = BatchQueue(max_tokens, max_items)
+    s = BatchQueue(max_tokens, max_items)
     for p in items:
         ref.add(p)
         s.add(p)
     reference = drain(ref)
 
-    offered: list[list[Pending]] = []
+    offered: list[list[Entry]] = []
     answers = list(answers)
 
     def reserve(batch):
@@ -161,9 +163,9 @@ def test_reserve_false_holds_back_the_same_batch(items, budget, answers):
 
 
 def test_reserve_false_returns_nothing_then_releases():
-    s = Scheduler(10, 4)
-    for i, span in enumerate([4, 4, 4]):
-        s.add(Pending(i, 1, i, span))
+    s = BatchQueue(10, 4)
+    for i, tokens in enumerate([4, 4, 4]):
+        s.add(Entry(i, 1, i, tokens))
     assert s.next_batch(lambda b: False) == []
     assert s.held_back == 1
     assert len(s) == 3
@@ -172,8 +174,8 @@ def test_reserve_false_returns_nothing_then_releases():
 
 
 def test_reserve_exception_keeps_batch_queued():
-    s = Scheduler(10, 4)
-    s.add(Pending(0, 1, 0, 3))
+    s = BatchQueue(10, 4)
+    s.add(Entry(0, 1, 0, 3))
 
     def boom(batch):
         raise RuntimeError("arena gone")
@@ -184,26 +186,26 @@ def test_reserve_exception_keeps_batch_queued():
     assert s.next_batch()[0].item == 0
 
 
-def test_oversize_item_goes_alone():
-    s = Scheduler(10, 8)
-    s.add(Pending(0, 0, 0, 3))
-    s.add(Pending(1, 0, 1, 50))
-    s.add(Pending(2, 0, 2, 3))
-    assert [p.span for p in s.next_batch()] == [3]
-    assert [p.span for p in s.next_batch()] == [50]
-    assert [p.span for p in s.next_batch()] == [3]
+def test_oversize_entry_goes_alone():
+    s = BatchQueue(10, 8)
+    s.add(Entry(0, 0, 0, 3))
+    s.add(Entry(1, 0, 1, 50))
+    s.add(Entry(2, 0, 2, 3))
+    assert [p.tokens for p in s.next_batch()] == [3]
+    assert [p.tokens for p in s.next_batch()] == [50]
+    assert [p.tokens for p in s.next_batch()] == [3]
     assert s.next_batch() == []
 
 
 def test_ties_broken_by_room_then_item():
-    s = Scheduler(100, 100)
+    s = BatchQueue(100, 100)
     for room, item in [(2, 0), (1, 1), (1, 0), (0, 5)]:
-        s.add(Pending(7, room, item, 1))
+        s.add(Entry(7, room, item, 1))
     assert [(p.room, p.item) for p in s.next_batch()] == [(0, 5), (1, 0), (1, 1), (2, 0)]
 
 
 def test_payload_not_compared():
-    assert Pending(0, 0, 0, 1, payload=object()) == Pending(0, 0, 0, 1, payload=object())
+    assert Entry(0, 0, 0, 1, payload=object()) == Entry(0, 0, 0, 1, payload=object())
 
 
 @pytest.mark.parametrize(
@@ -211,12 +213,12 @@ def test_payload_not_compared():
 )
 def test_invalid_budgets_refused(tokens, items):
     with pytest.raises(ValueError, match="must be"):
-        Scheduler(tokens, items)
+        BatchQueue(tokens, items)
 
 
-def test_negative_span_refused():
+def test_negative_tokens_refused():
     with pytest.raises(ValueError):
-        Scheduler(4, 4).add(Pending(0, 0, 0, -1))
+        BatchQueue(4, 4).add(Entry(0, 0, 0, -1))
 
 
 # -- the scheduler stage: credits ------------------------------------------------------
@@ -244,7 +246,7 @@ def test_restarted_tower_gives_credits_back_and_late_credits_stay_capped(arenas)
         assert dest == "tower", f"unexpected record to {dest}: {rec!r}"
         batches.append(rec)
 
-    stage = SchedulerStage(emit, Scheduler(max_tokens_per_batch=100, max_items_per_batch=1),
+    stage = SchedulerStage(emit, queue=BatchQueue(max_tokens_per_batch=100, max_items_per_batch=1),
                            pixel_arena=pixel_arena, emb_arena=emb_arena, entry_bytes=lambda span: 64 * span,
                            custody=None, depth=depth)
 
@@ -276,14 +278,14 @@ def test_restarted_tower_gives_credits_back_and_late_credits_stay_capped(arenas)
     assert flowed() == depth, "never more than depth batches out"
 
     stage.handle("reaper", RoomAbandoned(1))  # drops what is still queued
-    assert len(stage.scheduler) == 0
+    assert stage.stats()["scheduler_pending"] == 0
     assert pixel_arena.live_leases() == [] and emb_arena.live_leases() == [], "leases leaked"
 
 
 def _replica_rig(arenas, towers, sent):
     pixel_arena, emb_arena = arenas
     stage = SchedulerStage(lambda dest, rec: sent.append((dest, rec)),
-                           Scheduler(max_tokens_per_batch=100, max_items_per_batch=1),
+                           queue=BatchQueue(max_tokens_per_batch=100, max_items_per_batch=1),
                            pixel_arena=pixel_arena, emb_arena=emb_arena, entry_bytes=lambda span: 64 * span,
                            custody=None, depth=2, towers=towers)
     for i in range(12):
@@ -352,7 +354,7 @@ def test_a_part_batch_waits_while_every_replica_computes(arenas):
     pixel_arena, emb_arena = arenas
     sent = []
     stage = SchedulerStage(lambda dest, rec: sent.append((dest, rec)),
-                           Scheduler(max_tokens_per_batch=100, max_items_per_batch=3),
+                           queue=BatchQueue(max_tokens_per_batch=100, max_items_per_batch=3),
                            pixel_arena=pixel_arena, emb_arena=emb_arena, entry_bytes=lambda span: 64 * span,
                            custody=None, depth=2)
     seq = itertools.count()
