@@ -230,9 +230,9 @@ def _pickled_as_tuple(cls):
 
 # Classes in records are pickled by a number (pickle's extension registry, copyreg) rather
 # than by module and name: loading a name imports and looks it up, every record, and
-# that was half of what unpickling a record cost (a WorkItem 4.2 -> 2.8 us, an ItemDone
-# 1.6 -> 0.8 us). Every process that reads a ring imports this module, so all agree on
-# the numbers; they are private to one run (rings do not outlive it).
+# that was a large part of what unpickling a record cost. Every process that reads a
+# ring imports this module, so all agree on the numbers; they are private to one run
+# (rings do not outlive it).
 _EXTENSION_BASE = 0xE9D0
 Lease.__reduce__ = lambda self: (Lease, tuple(self))  # a NamedTuple's own way calls back into Python twice
 _records = [v for v in list(globals().values()) if isinstance(v, type) and v.__module__ == __name__]

@@ -4,9 +4,9 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
-
 from dataclasses import replace
+
+import numpy as np
 
 from ipc.arena import StaleLease
 from ipc.rooms import RoomState
@@ -37,7 +37,7 @@ class TowerStage(Stage):
     # scheduler back by a forward each, and starved the tower of full batches).
     settle_each_record = True
 
-    def __init__(self, emit, tower: Tower, *, pixel_arena, emb_arena, rooms, custody=None,
+    def __init__(self, emit, *, tower: Tower, pixel_arena, emb_arena, rooms, custody=None,
                  name: str = registry.TOWER):
         super().__init__(emit, custody)
         self.name = name
@@ -47,8 +47,7 @@ class TowerStage(Stage):
         self.pixel_arena = pixel_arena
         self.emb_arena = emb_arena
         self.rooms = rooms
-        self.jobs: list[tuple[TowerJob, list[WorkItem]]] = []
-        self.job_started: list[float] = []  # time.monotonic() each job started, in self.jobs' order
+        self.jobs: list[tuple[TowerJob, list[WorkItem], float]] = []  # (job, its items, time.monotonic() it started)
         self.batches = 0
         self.items = 0
         self.rows = 0
@@ -59,7 +58,7 @@ class TowerStage(Stage):
 
     def start(self) -> None:
         # Credits for batches a predecessor held died with it.
-        self.emit("scheduler", TowerRestarted(self.replica))
+        self.emit(registry.SCHEDULER, TowerRestarted(self.replica))
 
     def handle(self, source: str, rec) -> None:
         match rec:
@@ -81,7 +80,7 @@ class TowerStage(Stage):
                 flat = np.frombuffer(self.emb_arena.view(w.out), dtype=spec.np_dtype)
             except StaleLease:
                 self._release_leases(w)
-                self.emit("reaper", RoomFailure(w.slot, w.room, "pixels or output space lost (scheduler died)"))
+                self.emit(registry.REAPER, RoomFailure(w.slot, w.room, "pixels or output space lost (scheduler died)"))
                 self.custody.release(w.slot, w.room)
                 continue
             items.append(TowerItem(w.modality, [tuple(g) for g in w.grid_thw],
@@ -93,7 +92,7 @@ class TowerStage(Stage):
             live.append(w)
             self.rooms.advance(w.slot, w.room, RoomState.ENCODING)
         if not live:
-            self.emit("scheduler", TowerCredit(self.replica))
+            self.emit(registry.SCHEDULER, TowerCredit(self.replica))
             return
         self.batches += 1
         self.items += len(live)
@@ -102,37 +101,40 @@ class TowerStage(Stage):
             job = self.tower.start(items, outs)
         except TowerError as e:
             job = DoneJob(e)
-        self.jobs.append((job, live))
-        self.job_started.append(time.monotonic())
+        self.jobs.append((job, live, time.monotonic()))
 
     def tick(self, now: float) -> None:
         while self.jobs and self.jobs[0][0].done():
-            job, batch = self.jobs.pop(0)
-            self.batch_seconds.observe(time.monotonic() - self.job_started.pop(0))
-            try:
-                job.result()
-                error = None
-            except TowerError as e:
-                error = f"tower failed: {e}"
-            rooms = frozenset(w.room for w in batch)
-            if error is not None:
-                log.warning("tower batch of %d items failed: room=%s: %s", len(batch),
-                            ",".join(map(str, sorted(rooms))), error)
-            for w in batch:
-                self.pixel_arena.drop(w.pixels, self.owner)
-                w = replace(w, pixels=None)
-                if error is None:
-                    # Straight to the sender (the critical path), and to the cache, which
-                    # shares the rows with identical items waiting and caches them: each
-                    # gets a reference of ours and takes it over on receipt.
-                    self.emb_arena.addref(w.out, self.owner)
-                    self.emit("sender", ReadyItem(w.slot, w.room, w.item, w.span, w.out))
-                    self.emit("cache", Encoded(w))
-                else:
-                    self.emb_arena.drop(w.out, self.owner)
-                    self.emit("cache", EncodeFailed(replace(w, out=None), error, rooms))
-                self.custody.release(w.slot, w.room)
-            self.emit("scheduler", TowerCredit(self.replica))
+            job, batch, started = self.jobs.pop(0)
+            self.batch_seconds.observe(time.monotonic() - started)
+            self._finish(job, batch)
+
+    def _finish(self, job: TowerJob, batch: list[WorkItem]) -> None:
+        """Each item's rows out, or its failure; the pixels given back; a credit back."""
+        try:
+            job.result()
+            error = None
+        except TowerError as e:
+            error = f"tower failed: {e}"
+        rooms = frozenset(w.room for w in batch)
+        if error is not None:
+            log.warning("tower batch of %d items failed: room=%s: %s", len(batch),
+                        ",".join(map(str, sorted(rooms))), error)
+        for w in batch:
+            self.pixel_arena.drop(w.pixels, self.owner)
+            w = replace(w, pixels=None)
+            if error is None:
+                # Straight to the sender (the critical path), and to the cache, which
+                # shares the rows with identical items waiting and caches them: each
+                # gets a reference of ours and takes it over on receipt.
+                self.emb_arena.addref(w.out, self.owner)
+                self.emit(registry.SENDER, ReadyItem(w.slot, w.room, w.item, w.span, w.out))
+                self.emit(registry.CACHE, Encoded(w))
+            else:
+                self.emb_arena.drop(w.out, self.owner)
+                self.emit(registry.CACHE, EncodeFailed(replace(w, out=None), error, rooms))
+            self.custody.release(w.slot, w.room)
+        self.emit(registry.SCHEDULER, TowerCredit(self.replica))
 
     def next_tick_in(self, now: float) -> float | None:
         """When the oldest job may be done: the sim tower can tell; a device is polled."""
@@ -155,7 +157,7 @@ class TowerStage(Stage):
                     continue
 
     def close(self) -> None:
-        for job, _ in self.jobs:
+        for job, _, _ in self.jobs:
             try:
                 job.result(timeout=10)
             except Exception:
@@ -164,5 +166,5 @@ class TowerStage(Stage):
 
 def build(env, name, emit, custody) -> TowerStage:
     sh = env.shared
-    return TowerStage(emit, env.tower(registry.replica_of(name)), pixel_arena=sh.pixel_arena,
+    return TowerStage(emit, tower=env.tower(registry.replica_of(name)), pixel_arena=sh.pixel_arena,
                       emb_arena=sh.emb_arena, rooms=sh.rooms, custody=custody, name=name)
