@@ -107,12 +107,7 @@ def _consume(prefix: str, run_id: str, conn) -> None:
     arena = shm.Segment.attach(shm.object_name(prefix, run_id, "arena"))
     counts = dict.fromkeys(KINDS, 0)
     first: list[str] = []
-    try:
-        checked = _check_all(ring, arena.buf, counts, first)
-    except RingError as e:  # a header or a length read before it arrived
-        counts["torn"] += 1
-        first.append(f"torn: {e}")
-        checked = -1
+    checked = _check_all(ring, arena.buf, counts, first)
     if checked is None:
         conn.send(("failed", f"consumer: nothing came for {STALL_S:.0f} s"))
     else:
@@ -125,29 +120,34 @@ def _check_all(ring: Ring, slots, counts: dict, first: list) -> int | None:
     """Check records until the end of the run; how many, or None if the producer stalled."""
     expected = 0
     one_at_a_time = False
-    while True:
-        recs, end = ring.peek_batch(256, timeout=STALL_S)
-        if not recs:
-            return None
-        for rec in recs:
-            if rec[:8] == END:
-                pushed = int.from_bytes(rec[8:16], "little")
-                if pushed != expected:
-                    counts["out_of_order"] += 1
-                    first.append(f"out of order: the producer pushed {pushed} records, {expected} arrived")
+    try:
+        while True:
+            recs, end = ring.peek_batch(256, timeout=STALL_S)
+            if not recs:
+                return None
+            for rec in recs:
+                if rec[:8] == END:
+                    pushed = int.from_bytes(rec[8:16], "little")
+                    if pushed != expected:
+                        counts["out_of_order"] += 1
+                        first.append(f"out of order: the producer pushed {pushed} records, {expected} arrived")
+                    ring.release(end)
+                    return expected
+                kind, got = _check(rec, expected, slots)
+                if kind is not None:
+                    counts[kind] += 1
+                    first.append(f"{kind.replace('_', ' ')}: record {expected} read as {got} ({len(rec)} bytes)")
+                expected = max(expected, got) + 1
+            if one_at_a_time:  # the reaper's and the tower's way, then everyone else's
+                for _ in recs:
+                    ring.release_one()
+            else:
                 ring.release(end)
-                return expected
-            kind, got = _check(rec, expected, slots)
-            if kind is not None:
-                counts[kind] += 1
-                first.append(f"{kind.replace('_', ' ')}: record {expected} read as {got} ({len(rec)} bytes)")
-            expected = max(expected, got) + 1
-        if one_at_a_time:  # the reaper's and the tower's way, then everyone else's
-            for _ in recs:
-                ring.release_one()
-        else:
-            ring.release(end)
-        one_at_a_time = not one_at_a_time
+            one_at_a_time = not one_at_a_time
+    except RingError as e:  # a header or a length read before it arrived: the ring is lost
+        counts["torn"] += 1
+        first.append(f"torn: {e}")
+        return expected
 
 
 def _child(fn, who: str, conn, *args) -> None:

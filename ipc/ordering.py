@@ -24,8 +24,9 @@ access.  (``ctypes`` into libatomic costs an order of magnitude more per call;
 the extension is not built, importing this module fails with how to build it: no ring
 runs without its barriers.
 
-``check_cpu()`` is the start-up guard: it refuses a CPU for which these barriers have
-not been reasoned through and checked (``python -m ipc.litmus`` checks a host).
+``check_cpu()`` is the start-up guard (the runtime's, and ``Ring.create``'s): it
+refuses a CPU for which these barriers have not been reasoned through
+(``python -m ipc.litmus`` then checks a host).
 """
 from __future__ import annotations
 
@@ -60,8 +61,8 @@ def check_cpu() -> str:
             f"refusing to start on a {machine or 'unknown'} CPU: the shared-memory rings order "
             f"their records with barriers written for {', '.join(sorted(set(ORDERED_CPUS.values())))} "
             "only; on another memory model a stage could read a record before its bytes arrive. "
-            "Run `python -m ipc.litmus` on this host and add the architecture to "
-            "ipc.ordering.ORDERED_CPUS once the barriers are reasoned through for it."
+            "To support it, reason the barriers through for its memory model, add it to "
+            "ipc.ordering.ORDERED_CPUS, then check this host with `python -m ipc.litmus`."
         )
     if not LOCK_FREE_U64:
         raise UnsupportedCPU(

@@ -57,3 +57,25 @@ def test_slots_reused_too_early_fail_the_run(shm_prefix, monkeypatch):
     out = litmus.run(1.0, prefix=shm_prefix)
     assert not out["ok"] and out["arena_torn"] + out["arena_stale"] > 0, out
     assert out["first"] and out["first"][0].startswith("arena"), out
+
+
+def test_a_head_published_before_its_records_fails_the_run(shm_prefix, monkeypatch):
+    """A planted ordering bug: the reordering a weakly ordered CPU may do without the
+    release store, done on purpose (the producer stores head, then the records)."""
+    from ipc import framing
+    from ipc import ring as ring_mod
+
+    late = []
+    publish = ring_mod.Ring._publish
+
+    def publish_then_write(self, new_head, n, wake_consumer=True):
+        publish(self, new_head, n, wake_consumer)
+        for args in late:
+            framing.write_at(*args)
+        late.clear()
+
+    monkeypatch.setattr(ring_mod, "write_at", lambda data, at, blob, n: late.append((data, at, bytes(blob), n)))
+    monkeypatch.setattr(ring_mod.Ring, "_publish", publish_then_write)
+    monkeypatch.setattr(litmus, "STALL_S", 1.0)  # the producer soon gives up on a consumer that stopped
+    out = litmus.run(1.0, prefix=shm_prefix)
+    assert not out["ok"] and out["torn"] + out["stale"] + out["out_of_order"] > 0, out
