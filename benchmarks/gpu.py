@@ -14,7 +14,7 @@ towers load, as `--tower-config DIR` does for a real one.
 The workload cycles through images of real sizes (GRIDS: 448x448, 672x896, 896x896
 and 728x1288 pixels, i.e. 256 to 1196 embedding rows each), float32 pixels in
 shared-memory segments, distinct pixels per image. benchmarks/pipeline.py's
-machinery runs it: a fresh worker per mode, the gateway and the receiver in a client
+machinery (benchmarks/harness/) runs it: a fresh worker per mode, the gateway and the receiver in a client
 process, a window of rooms in flight, the steady rate of completions, best trial.
 
 Figures:
@@ -44,7 +44,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path or sys.path[0] != ROOT:
     sys.path.insert(0, ROOT)  # before benchmarks/, whose pipeline.py would shadow the package
 
-import benchmarks.pipeline as bp  # noqa: E402  (as a module of the namespace package: spawn finds it)
+from benchmarks.harness.baselines import in_child, tower_alone  # noqa: E402
+from benchmarks.harness.report import describe, jsonable  # noqa: E402
+from benchmarks.harness.session import Session, run_pair  # noqa: E402
 
 QWEN25_7B_VISION = dict(
     depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
@@ -138,7 +140,7 @@ def main(argv=None) -> int:
     try:
         ckpt = os.path.join(tmp, "checkpoint")
         t = time.monotonic()
-        results["checkpoint_bytes"] = bp.in_child(write_checkpoint, ckpt, vision, args.device, args.seed)
+        results["checkpoint_bytes"] = in_child(write_checkpoint, ckpt, vision, args.device, args.seed)
         print(f"tower: Qwen2.5-VL vision, depth {vision['depth']}, hidden {vision['hidden_size']}, out "
               f"{vision['out_hidden_size']}, random weights {results['checkpoint_bytes'] / 1e9:.2f} GB "
               f"(written in {time.monotonic() - t:.0f} s); images {grids} cycled, {n} x {args.trials} trials "
@@ -148,13 +150,13 @@ def main(argv=None) -> int:
             import dataclasses
 
             cfg = dataclasses.asdict(sessions["pipeline"].cfg)
-            return {"tower_alone": bp.in_child(bp.tower_alone, cfg, grids, n, args.trials, args.seed)}
+            return {"tower_alone": in_child(tower_alone, cfg, grids, n, args.trials, args.seed)}
 
-        pair = bp.run_pair("gpu", tmp, bargs, tower="qwen", tower_config=ckpt, grids=grids, n=n,
+        pair = run_pair("gpu", tmp, bargs, tower="qwen", tower_config=ckpt, grids=grids, n=n,
                            trials=args.trials, warmup=2 * window, between=alone)
         for mode, r in pair.items():
             results[mode] = r
-            print(bp._describe(r), flush=True)
+            print(describe(r), flush=True)
         ta = pair["pipeline"]["between"]["tower_alone"]
         results["tower_alone"] = ta
         pip, inp = pair["pipeline"]["images_per_s"], pair["inprocess"]["images_per_s"]
@@ -163,7 +165,7 @@ def main(argv=None) -> int:
         runs = list(pair.values())
         if args.replicas > 1:
             key = f"replicas{args.replicas}_vs_one"
-            s = bp.Session("pipeline", f"gpu_rep{args.replicas}", tmp, bargs, rooms=2 * window + args.trials * n,
+            s = Session("pipeline", f"gpu_rep{args.replicas}", tmp, bargs, rooms=2 * window + args.trials * n,
                            tower="qwen", device_s=0.0, grids=grids, tower_config=ckpt,
                            config={"tower_replicas": args.replicas,
                                    "gpus": args.gpus or ",".join(["0"] * args.replicas)})
@@ -177,7 +179,7 @@ def main(argv=None) -> int:
             runs.append(rep)
             results[f"pipeline_replicas{args.replicas}"] = rep
             results[key] = rep["images_per_s"] / pip
-            print(bp._describe(rep), flush=True)
+            print(describe(rep), flush=True)
             print(f"{key} = {rep['images_per_s']:.1f} / {pip:.1f} = {results[key]:.2f}  (no target)", flush=True)
         results["failed_rooms"] = sum(r["failed_rooms"] + r["timed_out"] for r in runs)
         results["violations"] = sum(r["n_violations"] for r in runs)
@@ -198,7 +200,7 @@ def main(argv=None) -> int:
         print(f"FAILED rooms: {results['failed_rooms']}, receiver protocol violations: {results['violations']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(bp._jsonable(results), f, indent=2)
+            json.dump(jsonable(results), f, indent=2)
     return 0 if not results["failed_rooms"] and not results["violations"] else 1
 
 
