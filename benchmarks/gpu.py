@@ -33,6 +33,7 @@ GPUs from every process it starts; --tiny uses a two-block tower and small image
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -96,7 +97,7 @@ def sizes(grids: list, window: int, n: int, vision: dict) -> dict:
     return {"pixel_arena_mib": pixel_mib, "embedding_arena_mib": emb_mib, "shm_needed_mib": need}
 
 
-def main(argv=None) -> int:
+def parse_args(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a two-block tower and small images (a check of the logic)")
@@ -107,84 +108,79 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--replicas", type=int, default=1, help="also run the pipeline with this many tower replicas")
     ap.add_argument("--gpus", help="their CUDA devices, comma-separated (default: 0 for every replica)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def refusal(args, n: int, window: int, sz: dict) -> str | None:
+    """Why this machine cannot run it (no CUDA device, too little /dev/shm), or None."""
     if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
-            print("benchmarks/gpu.py: no CUDA device here (torch.cuda.is_available() is False); it measures "
-                  "a GPU tower and will not run without one. For a check of its logic on CPU: "
-                  "benchmarks/gpu.py --device cpu --tiny", file=sys.stderr)
-            return 2
-    else:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # read by torch in every process started from here
-    vision = TINY_VISION if args.tiny else QWEN25_7B_VISION
-    grids = TINY_GRIDS if args.tiny else GRIDS
-    n = args.images or (48 if args.tiny else 240)
-    window = args.window or (8 if args.tiny else 32)
-    sz = sizes(grids, window, max(n, 2 * window), vision)
+            return ("benchmarks/gpu.py: no CUDA device here (torch.cuda.is_available() is False); it measures "
+                    "a GPU tower and will not run without one. For a check of its logic on CPU: "
+                    "benchmarks/gpu.py --device cpu --tiny")
     free_mib = shutil.disk_usage("/dev/shm").free // MIB
     if sz["shm_needed_mib"] > free_mib:
-        print(f"benchmarks/gpu.py: /dev/shm has {free_mib} MiB free, the run needs about "
-              f"{sz['shm_needed_mib']} MiB (window {window}, {n} images per trial); pass smaller --window "
-              f"and --images", file=sys.stderr)
-        return 2
-    # what benchmarks/pipeline.py's Session and run_pair read
-    bargs = argparse.Namespace(window=window, seed=args.seed, pixel_arena_mib=sz["pixel_arena_mib"],
-                               embedding_arena_mib=sz["embedding_arena_mib"], arena_cache_mib=8,
-                               host_cache_mib=64)
-    t_start = time.monotonic()
-    tmp = tempfile.mkdtemp(prefix="epd-gpu-bench-")
-    results: dict = {"device": args.device, "tiny": args.tiny, "vision_config": vision,
-                     "grids": [list(g) for g in grids], "window": window, **sz}
+        return (f"benchmarks/gpu.py: /dev/shm has {free_mib} MiB free, the run needs about "
+                f"{sz['shm_needed_mib']} MiB (window {window}, {n} images per trial); pass smaller --window "
+                f"and --images")
+    return None
+
+
+def run_replicas(args, bargs, tmp: str, ckpt: str, grids: list, n: int, window: int) -> dict:
+    """The pipeline with --replicas tower replicas on --gpus, measured alone."""
+    s = Session("pipeline", f"gpu_rep{args.replicas}", tmp, bargs, rooms=2 * window + args.trials * n,
+                tower="qwen", device_s=0.0, grids=grids, tower_config=ckpt,
+                config={"tower_replicas": args.replicas, "gpus": args.gpus or ",".join(["0"] * args.replicas)})
     try:
-        ckpt = os.path.join(tmp, "checkpoint")
-        t = time.monotonic()
-        results["checkpoint_bytes"] = in_child(write_checkpoint, ckpt, vision, args.device, args.seed)
-        print(f"tower: Qwen2.5-VL vision, depth {vision['depth']}, hidden {vision['hidden_size']}, out "
-              f"{vision['out_hidden_size']}, random weights {results['checkpoint_bytes'] / 1e9:.2f} GB "
-              f"(written in {time.monotonic() - t:.0f} s); images {grids} cycled, {n} x {args.trials} trials "
-              f"per mode, window {window}", flush=True)
-
-        def alone(sessions) -> dict:
-            import dataclasses
-
-            cfg = dataclasses.asdict(sessions["pipeline"].cfg)
-            return {"tower_alone": in_child(tower_alone, cfg, grids, n, args.trials, args.seed)}
-
-        pair = run_pair("gpu", tmp, bargs, tower="qwen", tower_config=ckpt, grids=grids, n=n,
-                           trials=args.trials, warmup=2 * window, between=alone)
-        for mode, r in pair.items():
-            results[mode] = r
-            print(describe(r), flush=True)
-        ta = pair["pipeline"]["between"]["tower_alone"]
-        results["tower_alone"] = ta
-        pip, inp = pair["pipeline"]["images_per_s"], pair["inprocess"]["images_per_s"]
-        results["pipeline_vs_tower_alone"] = pip / ta["images_per_s"]
-        results["inprocess_vs_tower_alone"] = inp / ta["images_per_s"]
-        runs = list(pair.values())
-        if args.replicas > 1:
-            key = f"replicas{args.replicas}_vs_one"
-            s = Session("pipeline", f"gpu_rep{args.replicas}", tmp, bargs, rooms=2 * window + args.trials * n,
-                           tower="qwen", device_s=0.0, grids=grids, tower_config=ckpt,
-                           config={"tower_replicas": args.replicas,
-                                   "gpus": args.gpus or ",".join(["0"] * args.replicas)})
-            try:
-                s.warmup(2 * window, window)
-                for _ in range(args.trials):
-                    s.trial(n, window)
-                rep = s.finish()
-            finally:
-                s.close()
-            runs.append(rep)
-            results[f"pipeline_replicas{args.replicas}"] = rep
-            results[key] = rep["images_per_s"] / pip
-            print(describe(rep), flush=True)
-            print(f"{key} = {rep['images_per_s']:.1f} / {pip:.1f} = {results[key]:.2f}  (no target)", flush=True)
-        results["failed_rooms"] = sum(r["failed_rooms"] + r["timed_out"] for r in runs)
-        results["violations"] = sum(r["n_violations"] for r in runs)
+        s.warmup(2 * window, window)
+        for _ in range(args.trials):
+            s.trial(n, window)
+        return s.finish()
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        s.close()
+
+
+def measure(args, bargs, tmp: str, vision: dict, grids: list, n: int, window: int, results: dict) -> list:
+    """The checkpoint, both modes and the tower alone, the replicas; the runs made."""
+    ckpt = os.path.join(tmp, "checkpoint")
+    t = time.monotonic()
+    results["checkpoint_bytes"] = in_child(write_checkpoint, ckpt, vision, args.device, args.seed)
+    print(f"tower: Qwen2.5-VL vision, depth {vision['depth']}, hidden {vision['hidden_size']}, out "
+          f"{vision['out_hidden_size']}, random weights {results['checkpoint_bytes'] / 1e9:.2f} GB "
+          f"(written in {time.monotonic() - t:.0f} s); images {grids} cycled, {n} x {args.trials} trials "
+          f"per mode, window {window}", flush=True)
+
+    def alone(sessions) -> dict:
+        cfg = dataclasses.asdict(sessions["pipeline"].cfg)
+        return {"tower_alone": in_child(tower_alone, cfg, grids, n, args.trials, args.seed)}
+
+    pair = run_pair("gpu", tmp, bargs, tower="qwen", tower_config=ckpt, grids=grids, n=n,
+                    trials=args.trials, warmup=2 * window, between=alone)
+    for mode, r in pair.items():
+        results[mode] = r
+        print(describe(r), flush=True)
+    ta = pair["pipeline"]["between"]["tower_alone"]
+    results["tower_alone"] = ta
+    pip, inp = pair["pipeline"]["images_per_s"], pair["inprocess"]["images_per_s"]
+    results["pipeline_vs_tower_alone"] = pip / ta["images_per_s"]
+    results["inprocess_vs_tower_alone"] = inp / ta["images_per_s"]
+    runs = list(pair.values())
+    if args.replicas > 1:
+        key = f"replicas{args.replicas}_vs_one"
+        rep = run_replicas(args, bargs, tmp, ckpt, grids, n, window)
+        runs.append(rep)
+        results[f"pipeline_replicas{args.replicas}"] = rep
+        results[key] = rep["images_per_s"] / pip
+        print(describe(rep), flush=True)
+        print(f"{key} = {rep['images_per_s']:.1f} / {pip:.1f} = {results[key]:.2f}  (no target)", flush=True)
+    return runs
+
+
+def report(results: dict) -> None:
+    ta = results["tower_alone"]
+    pip, inp = results["pipeline"]["images_per_s"], results["inprocess"]["images_per_s"]
     ok = results["pipeline_vs_tower_alone"] >= TARGET
     print(f"tower alone: {ta['images_per_s']:.1f} images/s ({ta['batches']} batches, {ta['items_per_batch']:.1f} "
           f"images each; trials {', '.join(f'{x:.1f}' for x in ta['trials'])})")
@@ -194,6 +190,36 @@ def main(argv=None) -> int:
           f"{results['inprocess_vs_tower_alone']:.2f}  (no target)")
     results["targets"] = {"pipeline_vs_tower_alone": f">= {TARGET}"}
     results["targets_met"] = {"pipeline_vs_tower_alone": ok}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # read by torch in every process started from here
+    vision = TINY_VISION if args.tiny else QWEN25_7B_VISION
+    grids = TINY_GRIDS if args.tiny else GRIDS
+    n = args.images or (48 if args.tiny else 240)
+    window = args.window or (8 if args.tiny else 32)
+    sz = sizes(grids, window, max(n, 2 * window), vision)
+    refused = refusal(args, n, window, sz)
+    if refused:
+        print(refused, file=sys.stderr)
+        return 2
+    # what benchmarks/harness's Session and run_pair read
+    bargs = argparse.Namespace(window=window, seed=args.seed, pixel_arena_mib=sz["pixel_arena_mib"],
+                               embedding_arena_mib=sz["embedding_arena_mib"], arena_cache_mib=8,
+                               host_cache_mib=64)
+    t_start = time.monotonic()
+    tmp = tempfile.mkdtemp(prefix="epd-gpu-bench-")
+    results: dict = {"device": args.device, "tiny": args.tiny, "vision_config": vision,
+                     "grids": [list(g) for g in grids], "window": window, **sz}
+    try:
+        runs = measure(args, bargs, tmp, vision, grids, n, window, results)
+        results["failed_rooms"] = sum(r["failed_rooms"] + r["timed_out"] for r in runs)
+        results["violations"] = sum(r["n_violations"] for r in runs)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    report(results)
     results["seconds"] = time.monotonic() - t_start
     print(f"({results['seconds']:.0f} s)")
     if results["failed_rooms"] or results["violations"]:

@@ -35,8 +35,8 @@ import numpy as np  # noqa: E402
 
 from ipc import shm  # noqa: E402
 from pipeline.client import Client, Item  # noqa: E402
-from pipeline.config import WorkerConfig  # noqa: E402
-from pipeline.background import Running, free_port  # noqa: E402
+from pipeline.background import Running  # noqa: E402
+from pipeline.testing.workers import worker_config  # noqa: E402
 
 HIDDEN, SPAN, DTYPE = 3584, 256, "bfloat16"
 ITEM_BYTES = SPAN * HIDDEN * 2
@@ -83,7 +83,6 @@ def raw_async_batches(te, session: str, src: int, dsts: list[int], window: int) 
     return time.perf_counter() - t0
 
 
-
 def receiver_main(bootstrap: str, conn, n_rooms: int, window: int, first_room: int) -> None:
     from pipeline.receiver import Receiver
 
@@ -112,6 +111,43 @@ def receiver_main(bootstrap: str, conn, n_rooms: int, window: int, first_room: i
     r.close()
 
 
+def raw_writes(w: Running, session: str, dsts: list[int], window: int) -> tuple[float, float, float]:
+    """Seconds for the raw baselines: the same bytes (the cached lease) to the same
+    regions, serial sync writes, a sliding window, async batches; the worker's loop
+    stopped first, to keep it off the GIL."""
+    cache = w.runtime.stages["cache"].hc.cache
+    lease = cache.lease_of(cache.keys("arena")[0])
+    src = w.runtime.shared.emb_arena.address + lease.offset
+    te = w.runtime.env.engine._te
+    w.stop.set()  # the worker loop is idle from here
+    w.thread.join(10)
+    t0 = time.perf_counter()
+    for dst in dsts:
+        rc = te.transfer_sync_write(session, src, dst, ITEM_BYTES)
+        if rc != 0:
+            raise RuntimeError(f"raw transfer_sync_write failed: {rc}")
+    raw_s = time.perf_counter() - t0
+    return raw_s, raw_sliding_window(te, session, src, dsts, window), raw_async_batches(te, session, src, dsts, window)
+
+
+def report(result: dict) -> None:
+    n, window = result["items"], result["window"]
+    sender_rate, raw_rate = result["sender_items_per_s"], result["raw_items_per_s"]
+    sliding_rate, batch_rate = result["raw_sliding_window_items_per_s"], result["raw_async_batches_items_per_s"]
+    windowed, ratio = result["raw_windowed_items_per_s"], result["sender_vs_raw_mooncake_windowed"]
+    mb = ITEM_BYTES / 1e6
+    print(f"sender: {n} items of {mb:.2f} MB, alloc to success status, window "
+          f"{window}: {sender_rate:.0f} items/s ({sender_rate * mb:.0f} MB/s)")
+    print(f"raw, same engines and buffers, {window} writes in flight: sliding window of "
+          f"transfer_submit_write {sliding_rate:.0f} items/s ({sliding_rate * mb:.0f} MB/s); "
+          f"batch_transfer_async_write of {window} {batch_rate:.0f} items/s ({batch_rate * mb:.0f} MB/s)")
+    print(f"raw transfer_sync_write, one at a time: {raw_rate:.0f} items/s ({raw_rate * mb:.0f} MB/s)")
+    print(f"sender_vs_raw_mooncake_windowed = {sender_rate:.0f} / {windowed:.0f} = {ratio:.2f}  "
+          f"(target >= {TARGET}: {'met' if ratio >= TARGET else 'MISSED'})")
+    print(f"sender_vs_raw_mooncake = {result['sender_vs_raw_mooncake']:.2f}  (against serial writes; "
+          f"the old target >= 0.8)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer items (well under a minute)")
@@ -121,11 +157,9 @@ def main() -> int:
     n = 200 if args.quick else 1000
     prefix = f"bench_tx{os.getpid()}"
     tmp = tempfile.mkdtemp(prefix="epd-bench-")
-    cfg = WorkerConfig(shm_prefix=prefix, intake=f"ipc://{tmp}/intake.sock", run_dir=tmp,
-                       bootstrap=f"tcp://127.0.0.1:{free_port()}", tower="sim", sim_hidden=HIDDEN,
-                       sim_dtype=DTYPE, sim_time_per_row_s=0.0, embedding_arena_bytes=64 << 20,
-                       arena_cache_bytes=16 << 20, pixel_arena_bytes=64 << 20,
-                       max_live_rooms=n + 16, max_tombstones=n + 16)
+    cfg = worker_config(prefix, tmp, tower="sim", sim_hidden=HIDDEN, sim_dtype=DTYPE, sim_time_per_row_s=0.0,
+                        embedding_arena_bytes=64 << 20, arena_cache_bytes=16 << 20, pixel_arena_bytes=64 << 20,
+                        max_live_rooms=n + 16, max_tombstones=n + 16)
     ctx = mp.get_context("spawn")
     w = Running(cfg, "inprocess")
     parent, child = ctx.Pipe()
@@ -144,22 +178,8 @@ def main() -> int:
         parent.send("go")
         sender_s, failed, violations = parent.recv()
 
-        # Raw: the same bytes (the cached lease) to the same regions, sync writes.
-        cache = w.runtime.stages["cache"].hc.cache
-        lease = cache.lease_of(cache.keys("arena")[0])
-        src = w.runtime.shared.emb_arena.address + lease.offset
-        te = w.runtime.env.engine._te
-        w.stop.set()  # the worker loop is idle from here; keep it off the GIL
-        w.thread.join(10)
-        dsts = [address + regions[k % len(regions)] for k in range(n)]
-        t0 = time.perf_counter()
-        for k in range(n):
-            rc = te.transfer_sync_write(session, src, dsts[k], ITEM_BYTES)
-            if rc != 0:
-                raise RuntimeError(f"raw transfer_sync_write failed: {rc}")
-        raw_s = time.perf_counter() - t0
-        sliding_s = raw_sliding_window(te, session, src, dsts, args.window)
-        batch_s = raw_async_batches(te, session, src, dsts, args.window)
+        raw_s, sliding_s, batch_s = raw_writes(w, session, [address + regions[k % len(regions)] for k in range(n)],
+                                               args.window)
         parent.send("bye")
         rx.join(30)
         client.close()
@@ -183,17 +203,7 @@ def main() -> int:
         "targets_met": {"sender_vs_raw_mooncake_windowed": ratio >= TARGET},
         "failed_rooms": failed, "violations": len(violations),
     }
-    mb = ITEM_BYTES / 1e6
-    print(f"sender: {n} items of {mb:.2f} MB, alloc to success status, window "
-          f"{args.window}: {sender_rate:.0f} items/s ({sender_rate * mb:.0f} MB/s)")
-    print(f"raw, same engines and buffers, {args.window} writes in flight: sliding window of "
-          f"transfer_submit_write {sliding_rate:.0f} items/s ({sliding_rate * mb:.0f} MB/s); "
-          f"batch_transfer_async_write of {args.window} {batch_rate:.0f} items/s ({batch_rate * mb:.0f} MB/s)")
-    print(f"raw transfer_sync_write, one at a time: {raw_rate:.0f} items/s ({raw_rate * mb:.0f} MB/s)")
-    print(f"sender_vs_raw_mooncake_windowed = {sender_rate:.0f} / {windowed:.0f} = {ratio:.2f}  "
-          f"(target >= {TARGET}: {'met' if ratio >= TARGET else 'MISSED'})")
-    print(f"sender_vs_raw_mooncake = {result['sender_vs_raw_mooncake']:.2f}  (against serial writes; "
-          f"the old target >= 0.8)")
+    report(result)
     if failed or violations:
         print(f"FAILED rooms: {failed}, violations: {violations}")
     if args.json:
