@@ -18,6 +18,8 @@ A table class says what it is and how large::
     GEOMETRY                 the names of its geometry words; ("capacity",) unless said
     segment_size(*geometry)  classmethod: the segment's bytes; ValueError when out of range
     format(buf, *geometry)   classmethod, optional: content other than zeros
+    segment_name(prefix, run_id, what)
+                             classmethod, optional: shm.object_name(prefix, run_id, what)
 
 and gets::
 
@@ -33,12 +35,15 @@ and gets::
                              table holds as an attribute (so the mapping goes now, and a
                              use after close fails loudly), then the segment; ``closed``
     unlink()                 removes the name; mappings stay valid until closed
+    with table: ...          closes it at the end
     create_segment(...), attach_segment(...)
                              the segment alone, for a table that keeps another segment
                              beside its own (the arena's data) and builds itself
 
-``lay_out`` places a table's columns after its header, each on a cache line.
-``SlotTable`` is a SharedTable of slots each published by a generation word.
+A table with a signature of its own (a default capacity, a fixed name) defines
+``create``/``attach`` and calls ``super()``'s. ``lay_out`` places a table's columns
+after its header, each on a cache line. ``SlotTable`` is a SharedTable of slots each
+published by a generation word.
 """
 from __future__ import annotations
 
