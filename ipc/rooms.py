@@ -171,11 +171,8 @@ class RoomTable(SharedTable):
             if seqv[slot] == s:
                 return s, self._verify(raw, s)
         # Writers kept publishing under us: read under their lock.
-        self._lock.acquire()
-        try:
+        with self._lock:
             return self._load_locked(slot)
-        finally:
-            self._lock.release()
 
     def _load_locked(self, slot: int):
         s = self._seqv[slot]
@@ -252,8 +249,7 @@ class RoomTable(SharedTable):
     def _update(self, slot, room, change):
         """Under the lock: ``change(fields)`` -> new fields list, or a result to return as is."""
         slot = self._slot_index(slot)
-        self._lock.acquire()
-        try:
+        with self._lock:
             s, f = self._current(slot)
             if f[_STATE] == RoomState.FREE or f[_ROOM] != room:
                 return None
@@ -262,8 +258,6 @@ class RoomTable(SharedTable):
                 self._store(slot, s, new)
                 return True
             return new
-        finally:
-            self._lock.release()
 
     # -- the room index and the FREE slots (lock held) ---------------------------------
 
@@ -310,11 +304,8 @@ class RoomTable(SharedTable):
         slot = self._slot_index(slot)
         s, f = self._load(slot)
         if f is None:
-            self._lock.acquire()
-            try:
+            with self._lock:
                 s, f = self._current(slot)
-            finally:
-                self._lock.release()
         if f[_STATE] == RoomState.FREE:
             return None
         return self._entry(slot, f)
@@ -375,8 +366,7 @@ class RoomTable(SharedTable):
         now = time.monotonic()
         fields = [room, int(state), len(rid), 0, items_total, 0, float(deadline), now,
                   now if state in _FINAL else 0.0, rid, b""]
-        self._lock.acquire()
-        try:
+        with self._lock:
             self._clean_index()
             dup = self._find_locked(room)
             if dup is not None and existing_ok:
@@ -400,8 +390,6 @@ class RoomTable(SharedTable):
                 self._room_index.add(room, slot)
                 self._hdr[_H_CURSOR] = slot + 1
             return slot
-        finally:
-            self._lock.release()
 
     def _find_locked(self, room: int) -> int | None:
         """Index clean: the slot of ``room``'s non-FREE entry, or None."""
@@ -549,8 +537,7 @@ class RoomTable(SharedTable):
         """Return a concluded entry (an expired tombstone) to FREE; False for a live one or not there."""
 
         slot = self._slot_index(slot)
-        self._lock.acquire()
-        try:
+        with self._lock:
             self._clean_index()
             s, f = self._current(slot)
             if f[_STATE] < RoomState.SUCCESS or f[_ROOM] != room:
@@ -561,8 +548,6 @@ class RoomTable(SharedTable):
                     _fault_hook("rooms.index")
                 self._store(slot, s, _FREE_FIELDS)
             return True
-        finally:
-            self._lock.release()
 
     @property
     def repairs(self) -> int:
