@@ -208,6 +208,25 @@ def test_argument_errors(make_arena):
         a.drop(lease, 0)
 
 
+def test_create_refuses_what_it_cannot_hold_and_leaves_nothing(shm_prefix):
+    run_id = shm.new_run_id()
+    for size, kw in ((0, {}), (4096, {"block_size": 0}), (4096, {"max_leases": 0}),
+                     (4096, {"max_owners": 4097})):
+        with pytest.raises(ValueError):
+            Arena.create(shm_prefix, run_id, "arena", size, **kw)
+    assert shm.list_objects(shm_prefix) == []
+    a = Arena.create(shm_prefix, run_id, "arena", 4096, block_size=64)
+    try:
+        a._data.unlink()  # data smaller than its table says: refused
+        small = shm.Segment.create(shm.object_name(shm_prefix, run_id, "arena"), 64)
+        small.close()
+        with pytest.raises(shm.ShmError, match="smaller than its table"):
+            Arena.attach(shm_prefix, run_id, "arena")
+    finally:
+        a.close()
+        a.unlink()
+
+
 def test_size_rounds_up_to_blocks(make_arena):
     a = make_arena(1000, block_size=256)
     assert a.size == 1024
