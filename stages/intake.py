@@ -106,6 +106,7 @@ class IntakeStage(Stage):
     # ------------------------------------------------------------ one frame
     def _handle(self, frame: bytes, arrival: float) -> None:
         if not self._take_frame(frame, arrival):
+            # The journal keeps naming its room and segments: they are still to be taken.
             self.stalled = (frame, arrival)
             return
         if self.journal is not None:
