@@ -16,8 +16,6 @@ scans the table's columns while it is odd.
 """
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
 __all__ = ["RoomIndex"]
@@ -86,12 +84,13 @@ class RoomIndex:
 
     # -- changes (the table's lock held) -----------------------------------------------
 
-    @contextlib.contextmanager
-    def changing(self):
-        """Around a change of the index: the sequence word odd while inside. An exception
-        (or a kill) inside leaves it odd, and the next writer rebuilds."""
+    def begin_change(self) -> None:
+        """The sequence word odd until ``end_change``: readers scan meanwhile, and a writer
+        that never gets to ``end_change`` (killed, or an exception) leaves the index to be
+        rebuilt by the next."""
         self._header[self._seq_word] += 1
-        yield
+
+    def end_change(self) -> None:
         self._header[self._seq_word] += 1
 
     def add(self, room: int, slot: int) -> None:

@@ -381,14 +381,15 @@ class RoomTable(SharedTable):
                     f"(request {request_id!r})"
                 )
             slot, s = free
-            with self._room_index.changing():
-                self._claims.reset(slot, room, holders)  # before the room is there: void until then
-                self._progv[slot] = 0
-                self._store(slot, s, fields)
-                if _fault_hook is not None:
-                    _fault_hook("rooms.index")
-                self._room_index.add(room, slot)
-                self._hdr[_H_CURSOR] = slot + 1
+            self._room_index.begin_change()
+            self._claims.reset(slot, room, holders)  # before the room is there: void until then
+            self._progv[slot] = 0
+            self._store(slot, s, fields)
+            if _fault_hook is not None:
+                _fault_hook("rooms.index")
+            self._room_index.add(room, slot)
+            self._hdr[_H_CURSOR] = slot + 1
+            self._room_index.end_change()
             return slot
 
     def _find_locked(self, room: int) -> int | None:
@@ -542,11 +543,12 @@ class RoomTable(SharedTable):
             s, f = self._current(slot)
             if f[_STATE] < RoomState.SUCCESS or f[_ROOM] != room:
                 return False
-            with self._room_index.changing():
-                self._room_index.remove(room, slot)
-                if _fault_hook is not None:
-                    _fault_hook("rooms.index")
-                self._store(slot, s, _FREE_FIELDS)
+            self._room_index.begin_change()
+            self._room_index.remove(room, slot)
+            if _fault_hook is not None:
+                _fault_hook("rooms.index")
+            self._store(slot, s, _FREE_FIELDS)
+            self._room_index.end_change()
             return True
 
     @property
