@@ -1,15 +1,20 @@
 """The tables a pipeline run keeps in shared memory besides rings, arenas and rooms:
 each stage's heartbeat row, its published counters, and intake's journal of the
-frame in hand. The supervisor creates them, a row or region per stage of the run;
-stages attach, and find the run's stages from the size (stages.registry.replicas_of)."""
+frame in hand. Each is an ipc.shared_table.SharedTable: the supervisor creates them, a
+row or region per stage of the run; stages attach, and find the run's stages from the
+number of rows or regions in the header (stages.registry.replicas_of)."""
 from __future__ import annotations
 
 import pickle
 import time
 from enum import IntEnum
 
-from ipc import shm
+from ipc.shared_table import HEADER_BYTES, SharedTable
 from stages import registry
+
+
+# How many stages a run can have: a board holds a row or region for each.
+RUN_SIZES = range(len(registry.stage_names(1)), len(registry.stage_names(registry.MAX_TOWER_REPLICAS)) + 1)
 
 
 class DrainOrder(IntEnum):
@@ -22,31 +27,39 @@ class DrainOrder(IntEnum):
     REFUSE = 2       # the same, but fail each of those requests instead of doing it
 
 
-class Heartbeats:
+class Heartbeats(SharedTable):
     """Per stage: pid, last beat (time.monotonic), ready flag, restarts, the fraction of
     the last second its loop spent working, and the drain's handshake. float64 in shared memory."""
 
+    MAGIC = 0x6862_6561_7400_0001  # layout 1
+    KIND = "heartbeat table"
+    GEOMETRY = ("rows",)
     FIELDS = 7
     PID, BEAT, READY, RESTARTS, BUSY, DRAIN_ORDER, DRAIN_DONE = range(7)
     # DRAIN_ORDER is the supervisor's ask of the request stage (a DrainOrder); DRAIN_DONE
     # the stage's answer, the order it carried out once it read its socket to the end.
 
-    def __init__(self, seg: shm.Segment):
-        import numpy as np
-
-        self.seg = seg
-        rows = seg.size // (self.FIELDS * 8)
-        self.stages = registry.stage_names(registry.replicas_of(rows))
-        self.table = np.frombuffer(seg.buf, dtype=np.float64).reshape(rows, self.FIELDS)
+    @classmethod
+    def segment_size(cls, rows: int) -> int:
+        if rows not in RUN_SIZES:
+            raise ValueError(f"a heartbeat table of {rows} rows: not a run's stages")
+        return HEADER_BYTES + rows * cls.FIELDS * 8
 
     @classmethod
     def create(cls, prefix: str, run_id: str, stages: list[str]) -> "Heartbeats":
-        return cls(shm.Segment.create(shm.object_name(prefix, run_id, "heartbeats"),
-                                      len(stages) * cls.FIELDS * 8))
+        return super().create(prefix, run_id, "heartbeats", len(stages))
 
     @classmethod
-    def attach(cls, prefix: str, run_id: str) -> "Heartbeats":
-        return cls(shm.Segment.attach(shm.object_name(prefix, run_id, "heartbeats")))
+    def attach(cls, prefix: str, run_id: str, readonly: bool = False) -> "Heartbeats":
+        return super().attach(prefix, run_id, "heartbeats", readonly)
+
+    def __init__(self, segment):
+        import numpy as np
+
+        super().__init__(segment)
+        self.stages = registry.stage_names(registry.replicas_of(self.rows))
+        self.table = np.frombuffer(self.buf, dtype=np.float64, count=self.rows * self.FIELDS,
+                                   offset=HEADER_BYTES).reshape(self.rows, self.FIELDS)
 
     def row(self, stage: str):
         return self.table[self.stages.index(stage)]
@@ -66,81 +79,86 @@ class Heartbeats:
         row = self.row(stage)
         return row[self.DRAIN_DONE] >= row[self.DRAIN_ORDER]
 
-    def close(self) -> None:
-        self.table = None
-        self.seg.close()
 
-    def unlink(self) -> None:
-        self.seg.unlink()
-
-
-class IntakeJournal:
+class IntakeJournal(SharedTable):
     """The segment names of the frame intake is handling, for the supervisor to unlink
     if intake dies between taking a frame and unlinking its segments."""
 
-    SIZE = 64 << 10
+    MAGIC = 0x6A72_6E6C_0000_0001  # layout 1
+    KIND = "intake journal"
+    SIZE = 64 << 10  # the journal's capacity, bytes: a length word, then the names
 
-    def __init__(self, seg: shm.Segment):
-        self.seg = seg
+    @classmethod
+    def segment_size(cls, capacity: int) -> int:
+        if capacity != cls.SIZE:
+            raise ValueError(f"an intake journal holds {cls.SIZE} bytes, not {capacity}")
+        return HEADER_BYTES + capacity
 
     @classmethod
     def create(cls, prefix: str, run_id: str) -> "IntakeJournal":
-        return cls(shm.Segment.create(shm.object_name(prefix, run_id, "intake.journal"), cls.SIZE))
+        return super().create(prefix, run_id, "intake.journal", cls.SIZE)
 
     @classmethod
-    def attach(cls, prefix: str, run_id: str) -> "IntakeJournal":
-        return cls(shm.Segment.attach(shm.object_name(prefix, run_id, "intake.journal")))
+    def attach(cls, prefix: str, run_id: str, readonly: bool = False) -> "IntakeJournal":
+        return super().attach(prefix, run_id, "intake.journal", readonly)
+
+    def __init__(self, segment):
+        super().__init__(segment)
+        self.journal = self.buf[HEADER_BYTES:HEADER_BYTES + self.capacity]
 
     def record(self, room: int | None, names: list[str]) -> None:
-        buf = self.seg.buf
+        buf = self.journal
         if room is None and not names:
             buf[:4] = b"\0\0\0\0"
             return
         # NUL separates: a segment name cannot hold one (a newline it may)
-        data = "\0".join([str(room if room is not None else "")] + names).encode()[: self.SIZE - 4]
+        data = "\0".join([str(room if room is not None else "")] + names).encode()[: self.capacity - 4]
         buf[4:4 + len(data)] = data
         buf[:4] = len(data).to_bytes(4, "little")  # last: the names are whole when the length is set
 
     def read(self) -> tuple[int | None, list[str]]:
         """(room, segment names) of the frame in hand, or (None, [])."""
-        n = int.from_bytes(self.seg.buf[:4], "little")
+        buf = self.journal
+        n = int.from_bytes(buf[:4], "little")
         if not n:
             return None, []
-        room, *names = bytes(self.seg.buf[4:4 + n]).decode(errors="replace").split("\0")
+        room, *names = bytes(buf[4:4 + n]).decode(errors="replace").split("\0")
         return (int(room) if room.isdigit() else None), names
 
-    def close(self) -> None:
-        self.seg.close()
 
-    def unlink(self) -> None:
-        self.seg.unlink()
-
-
-class StatsBoard:
+class StatsBoard(SharedTable):
     """Each stage's counters (a pickled dict), rewritten by the stage a few times a second,
     read by the supervisor: `run.py status`, tests and benchmarks see them."""
 
+    MAGIC = 0x7374_6174_7300_0001  # layout 1
+    KIND = "stats board"
+    GEOMETRY = ("regions",)
     REGION = 64 << 10
 
-    def __init__(self, seg: shm.Segment):
-        self.seg = seg
-        self.stages = registry.stage_names(registry.replicas_of(seg.size // self.REGION))
+    @classmethod
+    def segment_size(cls, regions: int) -> int:
+        if regions not in RUN_SIZES:
+            raise ValueError(f"a stats board of {regions} regions: not a run's stages")
+        return HEADER_BYTES + regions * cls.REGION
 
     @classmethod
     def create(cls, prefix: str, run_id: str, stages: list[str]) -> "StatsBoard":
-        return cls(shm.Segment.create(shm.object_name(prefix, run_id, "stats"),
-                                      len(stages) * cls.REGION))
+        return super().create(prefix, run_id, "stats", len(stages))
 
     @classmethod
-    def attach(cls, prefix: str, run_id: str) -> "StatsBoard":
-        return cls(shm.Segment.attach(shm.object_name(prefix, run_id, "stats")))
+    def attach(cls, prefix: str, run_id: str, readonly: bool = False) -> "StatsBoard":
+        return super().attach(prefix, run_id, "stats", readonly)
+
+    def __init__(self, segment):
+        super().__init__(segment)
+        self.stages = registry.stage_names(registry.replicas_of(self.regions))
 
     def write(self, stage: str, stats: dict) -> None:
         data = pickle.dumps(stats, protocol=5)
         if len(data) > self.REGION - 16:
             return
-        base = self.stages.index(stage) * self.REGION
-        buf = self.seg.buf
+        base = HEADER_BYTES + self.stages.index(stage) * self.REGION
+        buf = self.buf
         seq = int.from_bytes(buf[base:base + 8], "little") + 1
         buf[base:base + 8] = (seq | 1).to_bytes(8, "little")  # odd: being written
         buf[base + 16:base + 16 + len(data)] = data
@@ -148,8 +166,8 @@ class StatsBoard:
         buf[base:base + 8] = ((seq | 1) + 1).to_bytes(8, "little")
 
     def read(self, stage: str) -> dict:
-        base = self.stages.index(stage) * self.REGION
-        buf = self.seg.buf
+        base = HEADER_BYTES + self.stages.index(stage) * self.REGION
+        buf = self.buf
         for _ in range(100):
             seq = int.from_bytes(buf[base:base + 8], "little")
             if seq == 0:
@@ -165,9 +183,3 @@ class StatsBoard:
                 except Exception:
                     return {}
         return {}
-
-    def close(self) -> None:
-        self.seg.close()
-
-    def unlink(self) -> None:
-        self.seg.unlink()

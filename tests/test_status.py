@@ -124,3 +124,45 @@ def test_run_py_status_without_a_worker_exits_4(shm_prefix):
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 4, proc.stderr
     assert "no worker is running" in proc.stdout
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_boards_name_the_run_stages_and_refuse_another_kind(shm_prefix, replicas):
+    """The boards `run.py status` reads: a reader finds the run's stages from the header,
+    sees what a writer wrote, and refuses a segment of another kind or a half-made one."""
+    from pipeline.boards import DrainOrder, Heartbeats, IntakeJournal, StatsBoard
+    from stages import registry
+
+    run_id = shm.new_run_id()
+    stages = registry.stage_names(replicas)
+    made = [Heartbeats.create(shm_prefix, run_id, stages), StatsBoard.create(shm_prefix, run_id, stages),
+            IntakeJournal.create(shm_prefix, run_id)]
+    hb, board, journal = made
+    try:
+        hb2, board2, journal2 = (type(t).attach(shm_prefix, run_id) for t in made)
+        assert hb2.stages == board2.stages == stages
+        hb.order_drain(registry.INTAKE, DrainOrder.REFUSE)
+        assert hb2.drain_order(registry.INTAKE) is DrainOrder.REFUSE and not hb2.drained(registry.INTAKE)
+        hb2.report_drained(registry.INTAKE, DrainOrder.REFUSE)
+        assert hb.drained(registry.INTAKE)
+        board.write(stages[-1], {"seen": 3})
+        assert board2.read(stages[-1]) == {"seen": 3} and board2.read(stages[0]) == {}
+        journal.record(7, ["a", "b\nc"])
+        assert journal2.read() == (7, ["a", "b\nc"])
+        for t in (hb2, board2, journal2):
+            t.close()
+        stats_segment = shm.Segment.attach(shm.object_name(shm_prefix, run_id, "stats"))
+        half_made = shm.Segment.create(shm.object_name(shm_prefix, run_id, "half"), 4096)
+        try:
+            with pytest.raises(shm.ShmError, match="not an initialised heartbeat table"):
+                Heartbeats(stats_segment)
+            with pytest.raises(shm.ShmError, match="not an initialised stats board"):
+                StatsBoard(half_made)
+        finally:
+            stats_segment.close()
+            half_made.close()
+            half_made.unlink()
+    finally:
+        for t in made:
+            t.close()
+            t.unlink()
