@@ -39,6 +39,7 @@ import time
 from pipeline.config import (ConfigError, WorkerConfig, add_flags, flags_given, format_config, load_config,
                              setup_logging)
 from pipeline.background import free_port
+from stages.registry import SUPERVISOR
 
 MODES = ["pipeline", "inprocess"]
 COMMANDS = ["demo", "serve", "config", "status", "bench"]
@@ -306,7 +307,7 @@ def main(argv=None) -> int:
         from pipeline.status import main as status_main
 
         return status_main(cfg, args.json)
-    setup_logging(cfg, "supervisor" if args.mode == "pipeline" else "worker")
+    setup_logging(cfg, SUPERVISOR if args.mode == "pipeline" else "worker")
     if args.command == "serve":
         print("effective configuration:\n" + format_config(cfg, sources), file=sys.stderr, flush=True)
         return serve(cfg, args.mode)

@@ -63,6 +63,10 @@ def _die_with_parent() -> None:
 
 
 class StageHost:
+    """One stage in this process: its rings, its heartbeat row and its counters' region.
+    A stage that cannot be built ends its process (stage_process), so close() meets a
+    whole host."""
+
     def __init__(self, name: str, cfg: WorkerConfig, run_id: str, spec_kwargs: dict | None):
         from stages.towers import TowerSpec
 
@@ -78,7 +82,6 @@ class StageHost:
         self._stats_at = 0.0
         self._busy_window_at = time.monotonic()
         self.drain_seen = DrainOrder.NONE  # the last drain order acted on
-        self.loop = self.stage = None
         shared = wiring.attach_shared(cfg, run_id)
         self.journal = IntakeJournal.attach(p, run_id)
         self.env = Env(cfg, run_id, shared, spec=TowerSpec(**spec_kwargs) if spec_kwargs else None,
@@ -128,14 +131,12 @@ class StageHost:
 
     def close(self) -> None:
         try:
-            if self.stage is not None:
-                self.stats_board.write(self.name, self.stage.stats())
-                self.stage.close()
+            self.stats_board.write(self.name, self.stage.stats())
+            self.stage.close()
         except Exception as e:
             log.warning("closing: %s", e)
         self.stats_board.close()
-        if self.loop is not None:
-            self.loop.close()
+        self.loop.close()
         self.env.close()
         self.channel.close()
         self.env.shared.close()

@@ -5,10 +5,11 @@ registry.start_order: the others need the towers' spec), watches them (exit, or 
 heartbeat older than `heartbeat_timeout_s`: killed), and when one dies has its
 Reclaimer (pipeline/reclaim.py) fail exactly the rooms it held, reclaim its arena
 references and write its last words on its own rings (registry.last_words: a tower
-replica's tell the scheduler it is gone), and restarts it with backoff; the successor continues from its input rings and from what
-its predecessor left in shared memory (its `start()`). More than `restart_limit`
-restarts within `restart_window_s` end the run. Each tower replica is a stage of its
-own: it dies, is restarted and fails its rooms alone.
+replica's tell the scheduler it is gone), and restarts it with backoff; the successor
+continues from its input rings and from what its predecessor left in shared memory
+(its `start()`). More than `restart_limit` restarts within `restart_window_s` end the
+run. Each tower replica is a stage of its own: it dies, is restarted and fails its
+rooms alone.
 """
 from __future__ import annotations
 
@@ -91,8 +92,7 @@ class Supervisor:
             self.run.close()
             raise
         self.cfg, self.run_id, self.shared, self.rooms = self.run.cfg, self.run.run_id, self.run.shared, self.run.rooms
-        self.rings, self.hb = self.tables.rings, self.tables.hb
-        self.journal, self.stats_board = self.tables.journal, self.tables.stats_board
+        self.rings, self.hb, self.stats_board = self.tables.rings, self.tables.hb, self.tables.stats_board
         self.serving = Serving(self.run, self)
         self.reclaimer = Reclaimer(self.shared, self.rings, self.tell_reaper)
         self.totals = StageTotals(self.stages)

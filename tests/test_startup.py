@@ -343,7 +343,7 @@ def test_a_run_directory_someone_else_controls_is_refused(mode, fault, shm_prefi
             os.chown(run_dir, 4242, 4242)
         else:
             os.chmod(run_dir, 0o777)
-    cfg = sim_config(shm_prefix, tmp_path, run_dir=str(run_dir), intake=f"ipc://{run_dir}/intake.sock")
+    cfg = sim_config(shm_prefix, run_dir)  # its intake socket inside it
     with pytest.raises(Exception, match="refusing it") as e:
         start_worker(mode, cfg).close()
     assert str(run_dir) in str(e.value)
