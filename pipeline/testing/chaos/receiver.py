@@ -14,13 +14,14 @@ from collections import deque
 import numpy as np
 
 from pipeline.testing.chaos.settings import CANARY, DEEPSTACK, DTYPE, HIDDEN, QUARANTINE_S, span_of
-from pipeline.testing.sim import expected_sim_rows, pixels
+from pipeline.testing.sim import expected_sim_rows, pixels, sim_pattern
 
 
 class ExpectedRows:
     """The sim tower's rows of the run's images (pixels(seed, grid)), remembered a while."""
 
     def __init__(self):
+        sim_pattern(DTYPE)  # built now, before the receiver reports ready, not at its first success
         self.memo: dict = {}
 
     def __call__(self, seed: int, grid, modality: str):
