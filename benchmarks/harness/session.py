@@ -90,7 +90,7 @@ class Session:
         self.sampler.sample_pss()
 
     def trial(self, n: int, window: int) -> None:
-        # the batches the scheduler formed, for a model tower (the stats read waits 0.3 s)
+        # the batches the scheduler formed, for a model tower (a stats read waits for the stages to publish)
         b0 = self.worker("stats") if self.res["tower"] != "sim" else None
         c0 = self.worker("cpu")
         out = self.run("windowed", n, window)

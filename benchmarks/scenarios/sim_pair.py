@@ -9,6 +9,7 @@ from benchmarks.harness.baselines import in_child, raw_intake_read, raw_semaphor
 from benchmarks.harness.report import describe, print_ratio
 from benchmarks.harness.session import run_pair
 from benchmarks.scenarios.common import CPU_DEVICE_S, GRID, SMALL_DEVICE_S, SMALL_GRID, Bench, image_bytes
+from stages.registry import INTAKE
 
 CLIENT = "client (gateway + receiver)"
 
@@ -97,7 +98,7 @@ def latency_figures(results: dict, key: str, inp: dict, pip: dict, between: dict
 
 
 def intake_figures(results: dict, key: str, scenario: str, pip: dict, between: dict) -> None:
-    intake = pip["trials"][pip["best_trial"]]["cpu_ms_per_image"].get("intake")
+    intake = pip["trials"][pip["best_trial"]]["cpu_ms_per_image"].get(INTAKE)
     if intake is None:
         return
     read = between["intake_read"]["cpu_ms_per_image"]

@@ -11,6 +11,7 @@ from collections import Counter
 
 from ipc import shm
 from pipeline.testing.chaos.settings import FINAL_ROOMS, HUNG_GRACE_S
+from stages.registry import SENDER
 
 
 def reason_kind(reason: str) -> str:
@@ -59,7 +60,7 @@ class EndChecks:
             if code != 0:
                 self.c.violation(f"the {name} stage exited with code {code} at shutdown, not 0"
                                  + (" (its clean close is what unregisters its Mooncake memory)"
-                                    if name == "sender" else ""))
+                                    if name == SENDER else ""))
 
     def room(self, room: int, rm) -> None:
         c, timeline = self.c, self.c.timeline

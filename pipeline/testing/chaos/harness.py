@@ -286,8 +286,9 @@ class Chaos:
         now = time.monotonic()
         if self.s.dense and now >= self.next_progress:
             self.next_progress = now + 5.0
+            holders = [n for n in registry.stage_names(self.w.cfg.tower_replicas) if n != registry.REAPER]
             self.log(f"progress: {len(self.rooms)} rooms sent, {self.open_rooms()} open; held by "
-                     + ", ".join(f"{n} {self.held_by(n)}" for n in registry.stage_names(self.w.cfg.tower_replicas) if n != registry.REAPER))
+                     + ", ".join(f"{n} {self.held_by(n)}" for n in holders))
 
     def tick_until(self, cond, timeout: float) -> bool:
         end = time.monotonic() + timeout

@@ -7,6 +7,7 @@ import bisect
 import time
 
 from pipeline.testing.chaos.settings import INTAKE_LOSS_S
+from stages.registry import INTAKE, REAPER, SENDER
 
 
 class KillTimeline:
@@ -37,11 +38,11 @@ class KillTimeline:
         self.held_at_kill.append(held)
         self.in_flight_at_kill.append(in_flight)
         self.start_degraded(now)
-        if name == "intake":
+        if name == INTAKE:
             self.intake_kills.append(killed_by)
-        if name == "reaper":
+        if name == REAPER:
             self.reaper_kills.append(now)
-        if name == "sender":
+        if name == SENDER:
             self.sender_kills.append(killed_by)
 
     def start_degraded(self, now: float) -> None:
