@@ -181,10 +181,17 @@ class RingMachine(RuleBasedStateMachine):
         expected = self.model.popleft() if self.model else None
         assert take_one(self.cons) == expected
 
-    def check_batch(self, got, m):
+    def parsed_earlier(self) -> int | None:
+        """How many records an earlier peek parsed that the consumer has not given back
+        yet, if any: a peek then serves those alone, not what arrived after them."""
+        c = self.cons
+        return len(c._rd_recs) - c._rd_i if c._rd_at == c.tail else None
+
+    def check_batch(self, got, m, parsed):
         """``got`` is a non-empty prefix of the model of at most ``m`` records (exactly
-        ``m`` or all of them unless a parse limit cut the batch short)."""
-        expected = list(self.model)[:m]
+        ``m``, or all of them, or all ``parsed`` earlier, unless a parse limit cut the
+        batch short)."""
+        expected = list(self.model)[:m if parsed is None else min(m, parsed)]
         if self.exact or not expected:
             assert got == expected
         else:
@@ -192,15 +199,17 @@ class RingMachine(RuleBasedStateMachine):
 
     @rule(m=st.integers(1, 10))
     def take(self, m):
+        parsed = self.parsed_earlier()
         got = take(self.cons, m)
-        self.check_batch(got, m)
+        self.check_batch(got, m, parsed)
         for _ in got:
             self.model.popleft()
 
     @rule(m=st.integers(1, 10), j=st.integers(0, 10), same_handle=st.booleans())
     def peek_then_release_one_at_a_time(self, m, j, same_handle):
+        parsed = self.parsed_earlier()
         recs, _ = self.cons.peek_batch(m)
-        self.check_batch(recs, m)
+        self.check_batch(recs, m, parsed)
         if not same_handle:  # a successor gives back what its predecessor had peeked
             self.cons.close()
             self.cons = _attach_like(self.ring)
@@ -214,9 +223,9 @@ class RingMachine(RuleBasedStateMachine):
 
     @rule(m=st.integers(1, 10), j=st.integers(0, 10), same_handle=st.booleans())
     def peek_then_release(self, m, j, same_handle):
-        tail = self.cons.tail
+        tail, parsed = self.cons.tail, self.parsed_earlier()
         recs, end = self.cons.peek_batch(m)
-        self.check_batch(recs, m)
+        self.check_batch(recs, m, parsed)
         assert end == tail + _footprint(recs)
         assert self.cons.peek_batch(m) == (recs, end)  # peeking consumes nothing
         j = min(j, len(recs))
@@ -473,6 +482,17 @@ def test_release_rules(make_ring):
     other.close()
     with pytest.raises(ValueError):
         r.peek_batch(0)
+
+
+def test_a_peek_serves_what_an_earlier_parse_left_before_what_came_after(make_ring):
+    """A peek parses every record there and keeps those it did not return; the next
+    peek returns those kept (fewer than asked, maybe) before it parses newer ones."""
+    r = make_ring(64)
+    r.push_batch([b"a", b"b"])
+    assert take(r, 1) == [b"a"]  # b parsed too, and kept
+    r.push(b"c")
+    assert r.peek_batch(2)[0] == [b"b"]
+    assert take(r, 2) == [b"b"] and take(r, 2) == [b"c"] and r.depth() == 0
 
 
 def test_buffer_records(make_ring):
