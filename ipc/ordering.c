@@ -1,8 +1,8 @@
 /* ipc._ordering: the CPU's memory barriers for the shared-memory rings (see ipc/ordering.py).
  *
  * CPython has no acquire load, release store or fence; these are the compiler's __atomic
- * builtins, so each CPU gets its own instructions: on x86-64 plain moves and an mfence, on
- * aarch64 ldar, stlr and dmb ish.  Every call is also a compiler barrier.
+ * builtins, so each CPU gets its own instructions: on x86-64 plain moves and a locked
+ * no-op, on aarch64 ldar, stlr and dmb ish.  Every call is also a compiler barrier.
  *
  * Words(buffer) wraps an 8-byte-aligned buffer of u64 words (a ring's header lines) and
  * holds it until release(), as a memoryview would; a released Words refuses every access

@@ -16,10 +16,10 @@ the lap before, or garbage.  So every pair that must stay in order says so:
 
 The call sites are in ipc/ring.py and ipc/sleepers.py, each with the pair it orders.
 
-They are the C compiler's ``__atomic`` builtins in ``ipc._ordering`` (ipc/ordering.c, a
-small extension built at install): plain moves and an ``mfence`` on x86-64, ``ldar``,
-``stlr`` and ``dmb ish`` on aarch64, and a call costs less than a ``memoryview`` item
-access.  (``ctypes`` into libatomic costs an order of magnitude more per call;
+They are the C compiler's ``__atomic`` builtins in ``ipc._ordering`` (ipc/ordering.c,
+a small extension built at install): plain moves and a ``lock``-prefixed fence on
+x86-64, ``ldar``, ``stlr`` and ``dmb ish`` on aarch64; a call costs less than a
+``memoryview`` item access.  (``ctypes`` into libatomic costs an order of magnitude more per call;
 ``threading.Lock`` as a fence orders a store before a later load only on x86.)  Where
 the extension is not built, importing this module fails with how to build it: no ring
 runs without its barriers.

@@ -10,10 +10,10 @@ one post per sleep, however many records follow.  That is Dekker's pattern: ever
 CPU, x86-64 (TSO) included, lets a store be reordered with a later load of another
 location, so without the fences each side's store could still sit in its store
 buffer while it loads the other's stale value, both would miss each other, and the
-sleeper would sleep a whole slice.  The fence is ipc.ordering's, a full barrier
-(``mfence``, ``dmb ish``); a lock's acquire and release would not do, being on a
-weakly ordered CPU only an acquire and a release, which keep no store before a
-later load.  Sleepers re-check the indices after every wake-up and every slice, so
+sleeper would sleep a whole slice.  The fence is ipc.ordering's, a full barrier (a
+``lock``-prefixed instruction on x86-64, ``dmb ish`` on aarch64); a lock's acquire
+and release would not do, being on a weakly ordered CPU only an acquire and a
+release, which keep no store before a later load.  Sleepers re-check the indices after every wake-up and every slice, so
 a lost post costs at most one slice and an extra post one spurious re-check;
 neither can hang a sleeper or conjure a record.
 
