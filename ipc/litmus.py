@@ -8,17 +8,18 @@ capacity makes records wrap around its end every lap, and the slots are reused a
 soon as the ring lets them be.  The consumer checks every record and its slot before
 it gives the record back (a batch at once and one at a time, in turn), and counts:
 
-- torn: a record, or its arena slot, whose bytes do not all belong to it;
-- stale: a record or a slot that still holds what an earlier ``seq`` wrote there
-  (a lap before: the bytes were read before they arrived, or overwritten early);
+- torn: a record, or its arena slot, whose bytes do not all belong to it (a slot
+  already rewritten for a later record counts here);
+- stale: a record or a slot that still holds what an earlier ``seq`` wrote there,
+  a lap before (its bytes were read before they arrived);
 - out of order: a record whose ``seq`` is ahead of the next one expected (one lost),
   or an end of run that says more were pushed than arrived.
 
 A ring the consumer finds corrupt counts as torn.  It exits 0 when there were none,
-1 on any, 2 when the run itself failed (a process that died or stalled).  On x86-64 (TSO) a pass shows the ring's logic is right; on a
-weakly ordered CPU (aarch64) it also shows the barriers are where they must be.  An
-emulator (qemu-user) does not reorder memory as hardware does: a pass there shows
-only that it builds and runs.
+1 on any, 2 when the run itself failed (a process that died or stalled).  On x86-64
+(TSO) a pass shows the ring's logic is right; on a weakly ordered CPU (aarch64) it
+also shows the barriers are where they must be.  An emulator (qemu-user) does not
+reorder memory as hardware does: a pass there shows only that it builds and runs.
 """
 from __future__ import annotations
 
@@ -130,13 +131,14 @@ def _check_all(ring: Ring, slots, counts: dict, first: list) -> int | None:
                     pushed = int.from_bytes(rec[8:16], "little")
                     if pushed != expected:
                         counts["out_of_order"] += 1
-                        first.append(f"out of order: the producer pushed {pushed} records, {expected} arrived")
+                        first.append(f"out of order: {pushed} records pushed, {expected} arrived")
                     ring.release(end)
                     return expected
                 kind, got = _check(rec, expected, slots)
                 if kind is not None:
                     counts[kind] += 1
-                    first.append(f"{kind.replace('_', ' ')}: record {expected} read as {got} ({len(rec)} bytes)")
+                    first.append(f"{kind.replace('_', ' ')}: record {expected} read as {got} "
+                                 f"({len(rec)} bytes)")
                 expected = max(expected, got) + 1
             if one_at_a_time:  # the reaper's and the tower's way, then everyone else's
                 for _ in recs:

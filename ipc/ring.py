@@ -24,12 +24,13 @@ Publishing.  The producer copies headers and payloads into free space first and
 only then stores the new ``head``: one aligned 8-byte store (the other header words
 go through a ``memoryview`` cast to ``'Q'``, also one 8-byte store each; tests check
 that a reader never sees a torn value).  A producer SIGKILLed at any instruction
-leaves either the old or the new ``head``, so a consumer never sees part of a record.  A batch is one ``bytes`` object (headers and
-payloads; for records of one size the header is simply the ``join`` separator)
-copied in with one or two slice copies.  The consumer copies records out and only
-then stores the new ``tail``; until then they stay in the ring for whoever consumes
-next.  ``peek_batch`` + ``release`` let an exactly-once consumer log what it took
-before it gives the space back; ``release_one`` gives back records one at a time.
+leaves either the old or the new ``head``, so a consumer never sees part of a
+record.  A batch is one ``bytes`` object (headers and payloads; for records of one
+size the header is simply the ``join`` separator) copied in with one or two slice
+copies.  The consumer copies records out and only then stores the new ``tail``;
+until then they stay in the ring for whoever consumes next.  ``peek_batch`` +
+``release`` let an exactly-once consumer log what it took before it gives the space
+back; ``release_one`` gives records back one at a time.
 
 Memory ordering (ipc.ordering).  ``head`` and ``tail`` are stored with release
 stores and loaded with acquire loads: a consumer that loads the new ``head`` sees

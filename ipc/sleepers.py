@@ -13,9 +13,9 @@ buffer while it loads the other's stale value, both would miss each other, and t
 sleeper would sleep a whole slice.  The fence is ipc.ordering's, a full barrier (a
 ``lock``-prefixed instruction on x86-64, ``dmb ish`` on aarch64); a lock's acquire
 and release would not do, being on a weakly ordered CPU only an acquire and a
-release, which keep no store before a later load.  Sleepers re-check the indices after every wake-up and every slice, so
-a lost post costs at most one slice and an extra post one spurious re-check;
-neither can hang a sleeper or conjure a record.
+release, which keep no store before a later load.  Sleepers re-check the indices
+after every wake-up and every slice, so a lost post costs at most one slice and an
+extra post one spurious re-check; neither can hang a sleeper or conjure a record.
 
 A consumer of several rings may give them all one "doorbell" semaphore of its own
 in place of their data semaphores, and sleep on it in ``wait_any``.

@@ -74,7 +74,8 @@ def test_a_head_published_before_its_records_fails_the_run(shm_prefix, monkeypat
             framing.write_at(*args)
         late.clear()
 
-    monkeypatch.setattr(ring_mod, "write_at", lambda data, at, blob, n: late.append((data, at, bytes(blob), n)))
+    monkeypatch.setattr(ring_mod, "write_at",
+                        lambda data, at, blob, n: late.append((data, at, bytes(blob), n)))
     monkeypatch.setattr(ring_mod.Ring, "_publish", publish_then_write)
     monkeypatch.setattr(litmus, "STALL_S", 1.0)  # the producer soon gives up on a consumer that stopped
     out = litmus.run(1.0, prefix=shm_prefix)

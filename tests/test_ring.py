@@ -276,7 +276,8 @@ class RingMachine(RuleBasedStateMachine):
             return
         q, head = self.prod._q, self.prod.head
         pushed = self.prod._pushed()
-        framing.write_at(self.prod._data, head, framing.pack_header(framing.RECORD_TAG, len(rec)) + rec, H + len(rec))
+        framed = framing.pack_header(framing.RECORD_TAG, len(rec)) + rec
+        framing.write_at(self.prod._data, head, framed, len(framed))
         new_head = head + H + len(rec)
         order = [
             ("repair", ring_mod._PUSHED, pushed),
