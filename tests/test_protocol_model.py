@@ -207,11 +207,10 @@ class ProtocolModel(RuleBasedStateMachine):
         over = dict(arena_cache_bytes=arena_cache, host_cache_bytes=host_cache,
                     embedding_arena_bytes=emb_arena, pixel_arena_bytes=pixel_arena,
                     max_items_per_batch=items_per_batch, max_tokens_per_batch=tokens_per_batch,
-                    bootstrap_timeout_s=timeout, sim_time_per_row_s=2e-3 if slow else 0.0,
-                    intake=f"ipc://{run_dir}/intake.sock", run_dir=str(run_dir))
+                    bootstrap_timeout_s=timeout, sim_time_per_row_s=2e-3 if slow else 0.0)
         over.update(self.extra_config())
         self.timeout = timeout
-        self.w = start_worker(self.mode, sim_config(self.prefix, self.tmp, **over))
+        self.w = start_worker(self.mode, sim_config(self.prefix, run_dir, **over))
         self.spec = self.w.spec
         self.client = Client(self.w.cfg.intake, self.prefix)
         self.rx = [Receiver(f"rx{k}", self.w.cfg.bootstrap, buffer_bytes=8 << 20) for k in range(2)]
