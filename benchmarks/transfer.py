@@ -37,6 +37,7 @@ from ipc import shm  # noqa: E402
 from pipeline.client import Client, Item  # noqa: E402
 from pipeline.background import Running  # noqa: E402
 from pipeline.testing.workers import worker_config  # noqa: E402
+from stages.registry import CACHE  # noqa: E402
 
 HIDDEN, SPAN, DTYPE = 3584, 256, "bfloat16"
 ITEM_BYTES = SPAN * HIDDEN * 2
@@ -115,7 +116,7 @@ def raw_writes(w: Running, session: str, dsts: list[int], window: int) -> tuple[
     """Seconds for the raw baselines: the same bytes (the cached lease) to the same
     regions, serial sync writes, a sliding window, async batches; the worker's loop
     stopped first, to keep it off the GIL."""
-    cache = w.runtime.stages["cache"].hc.cache
+    cache = w.runtime.stages[CACHE].cache
     lease = cache.lease_of(cache.keys("arena")[0])
     src = w.runtime.shared.emb_arena.address + lease.offset
     te = w.runtime.env.engine._te

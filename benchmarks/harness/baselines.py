@@ -92,7 +92,7 @@ def raw_intake_read(prefix: str, nbytes: int, n: int, hashed: bool = False) -> d
     from ipc import shm
     from ipc.wire import content_hasher
     from pipeline.client import Client, unlink_segment
-    from stages.intake import READ_PIECE
+    from stages.segments import READ_PIECE
 
     client = Client(f"ipc://{tempfile.gettempdir()}/epd-bench-nobody.sock", prefix)
     px = np.random.default_rng(3).standard_normal(nbytes // 4, dtype=np.float32)
@@ -136,16 +136,16 @@ def raw_intake_read(prefix: str, nbytes: int, n: int, hashed: bool = False) -> d
 
 def scheduler_batches(grids: list, n: int, merge: int, max_tokens: int, max_items: int) -> list[list[tuple]]:
     """The batches the scheduler forms from n images (grids cycled as the client does)
-    all waiting at once: its own packing (stages/scheduler.py) on the same queue."""
-    from stages.scheduler import Pending, Scheduler
+    all waiting at once: its own packing (stages/batch_queue.py) on the same queue."""
+    from stages.batch_queue import BatchQueue, Entry
 
-    sched = Scheduler(max_tokens, max_items)
+    queue = BatchQueue(max_tokens, max_items)
     for room in range(n):
         g = tuple(grids[room % len(grids)])
-        sched.add(Pending(room, room, 0, g[0] * g[1] * g[2] // merge ** 2, g))
+        queue.add(Entry(room, room, 0, g[0] * g[1] * g[2] // merge ** 2, g))
     out = []
-    while sched:
-        out.append([p.payload for p in sched.next_batch()])
+    while queue:
+        out.append([e.payload for e in queue.next_batch()])
     return out
 
 
