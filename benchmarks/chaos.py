@@ -31,15 +31,15 @@ room stays live in the worker; after shutdown every stage exited 0 (the sender's
 close unregisters its Mooncake memory), each receiver's engine was unregistered
 and destroyed, and /dev/shm holds nothing of the run's prefix (segments and
 `sem.` semaphores). Pixel segments of requests lost in a SIGKILLed intake's
-socket stay the gateway's (README, known limit 3): the harness removes those and
+socket stay the gateway's (docs/design.md, known limit 3): the harness removes those and
 counts them, only where intake never recorded the room (it is not in the table,
 or only as the reaper's "?" entry of a room canceled or named by the dead
 intake's journal) and an intake kill came after it was sent. A receiver alive
 at the end that misses a status is excused only where the room concluded within
-five seconds (one with --dense) before to a second after a reaper kill (README, known
+five seconds (one with --dense) before to a second after a reaper kill (docs/design.md, known
 limit 1), or where the worker never saw the room and both an intake kill and a sender
 kill (within bootstrap_timeout_s) came after it was sent: its request and its allocs
-may both have died in those stages' sockets, and nobody can answer (README, known
+may both have died in those stages' sockets, and nobody can answer (docs/design.md, known
 limit 3); such rooms are listed in the JSON.
 
 `--dense` (issue #11): kills close together while the stages hold rooms, so custody,

@@ -1,6 +1,6 @@
 """Allocs held for rooms not seen yet, in shared memory, so that they outlive the sender.
 
-PROTOCOL.md §4: an alloc for a room the worker has not seen is held for
+docs/protocol.md §4: an alloc for a room the worker has not seen is held for
 `bootstrap_timeout_s`, then answered `failed` ("unknown room"). The sender holds it;
 a sender SIGKILLed meanwhile would take it along, and its receiver would wait
 forever. So the sender writes each held alloc here, and its successor holds them

@@ -62,7 +62,7 @@ _CREATE_LOCK = threading.Lock()
 
 # Engines whose teardown would have raced a library call still in progress are
 # kept alive here instead of being destroyed under it.
-_LEAKED: list = []
+LEAKED: list = []
 
 
 class TransportError(RuntimeError):
@@ -586,7 +586,7 @@ class Engine:
         for a in regs:
             te.unregister_memory(a)
         if not quiet:
-            _LEAKED.append(te)
+            LEAKED.append(te)
             return
         del te
 

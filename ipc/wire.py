@@ -1,4 +1,4 @@
-"""Wire protocol version 1 (../shared/PROTOCOL.md): parsing and validation of messages.
+"""Wire protocol version 1 (docs/protocol.md): parsing and validation of messages.
 
 Only structure is checked here; rules that need the worker's state (the tower's
 patch_dim, the item's span, remembered rooms) are checked by the stages.

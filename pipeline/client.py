@@ -1,4 +1,4 @@
-"""Gateway-side library: publishes pixels and sends `encode` messages (PROTOCOL.md section 1)."""
+"""Gateway-side library: publishes pixels and sends `encode` messages (docs/protocol.md section 1)."""
 from __future__ import annotations
 
 import itertools

@@ -50,6 +50,10 @@ from ipc.wire import Register
 # Each stage holds arena references under its own owner number, and the same number
 # is its custody bit in the room table, so the supervisor can reclaim exactly what a
 # dead stage held and fail exactly its rooms.
+# The stages' names: records are routed by these (stages/registry.py builds on them).
+INTAKE, CACHE, SCHEDULER, TOWER, SENDER, REAPER = "intake", "cache", "scheduler", "tower", "sender", "reaper"
+# Not a stage: the source of the records the supervisor writes (pipeline/wiring.py's edges).
+SUPERVISOR = "supervisor"
 OWNER_SUPERVISOR, OWNER_INTAKE, OWNER_CACHE, OWNER_SCHEDULER, OWNER_TOWER, OWNER_SENDER, OWNER_REAPER = range(7)
 
 
@@ -211,11 +215,11 @@ class RoomsLost:
 # pushed without waking it, each saves that stage a round per room. Every other
 # record wakes its consumer.
 UNHURRIED = frozenset({
-    ("reaper", RoomOpened),    # a deadline to watch; the items are what is urgent, and they go elsewhere
-    ("sender", RoomOpened),    # found in the round that its first alloc or item wakes (items that come
+    (REAPER, RoomOpened),      # a deadline to watch; the items are what is urgent, and they go elsewhere
+    (SENDER, RoomOpened),      # found in the round that its first alloc or item wakes (items that come
                                # first poll for it)
-    ("reaper", AllocSeen),     # who must hear how the room ends; it ends later
-    ("sender", RoomSucceeded),  # what is left of the room can go
+    (REAPER, AllocSeen),       # who must hear how the room ends; it ends later
+    (SENDER, RoomSucceeded),   # what is left of the room can go
 })
 
 def _pickled_as_tuple(cls):

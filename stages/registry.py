@@ -9,13 +9,10 @@ each). Everything keyed by stage (heartbeats, counters, metrics, `run.py status`
 `numa`) uses these names; `tower` in the wiring and the records table stands for
 every replica.
 """
-from stages.records import (OWNER_CACHE, OWNER_INTAKE, OWNER_REAPER, OWNER_SCHEDULER, OWNER_SENDER,
+from stages.records import (INTAKE, CACHE, SCHEDULER, TOWER, SENDER, REAPER, SUPERVISOR,  # noqa: F401 (route by these)
+                            OWNER_CACHE, OWNER_INTAKE, OWNER_REAPER, OWNER_SCHEDULER, OWNER_SENDER,
                             OWNER_TOWER, TowerDown)
 
-# The stages' names: route records by these, never by a string written out.
-INTAKE, CACHE, SCHEDULER, TOWER, SENDER, REAPER = "intake", "cache", "scheduler", "tower", "sender", "reaper"
-# Not a stage: the source of the records the supervisor writes (pipeline/wiring.py's edges).
-SUPERVISOR = "supervisor"
 # Replica k > 0 takes owner number OWNER_REAPER + k: the arenas have 16 owner slots
 # (ipc/arena.py's max_owners) and the room table 31 custody bits.
 MAX_TOWER_REPLICAS = 8

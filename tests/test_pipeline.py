@@ -272,7 +272,7 @@ def test_sender_and_reaper_killed_together_keep_the_registrations(pipeline):
 
 
 def test_an_alloc_held_for_an_unseen_room_is_answered_after_the_sender_dies(shm_prefix, tmp_path):
-    """PROTOCOL.md §4: an alloc for a room the worker has not seen is held, then answered
+    """docs/protocol.md §4: an alloc for a room the worker has not seen is held, then answered
     "unknown room". A sender SIGKILLed while it holds one: its successor answers it."""
     w = PipelineWorker(sim_config(shm_prefix, tmp_path, bootstrap_timeout_s=2.0))
     r = Receiver("rx0", w.cfg.bootstrap, buffer_bytes=1 << 20)
@@ -307,7 +307,7 @@ def test_a_sender_killed_while_it_fences_a_failed_room_leaves_no_receiver_waitin
     the sender's Fenced before it tells anyone; the sender is killed meanwhile. The room is
     no longer live, so it must still be among the rooms the dead sender held, and its
     receivers told: here the other receiver, which already had its `success` for its
-    shard, hears `failed` (PROTOCOL.md §3: every receiver that allocated gets one)."""
+    shard, hears `failed` (docs/protocol.md §3: every receiver that allocated gets one)."""
     from ipc.rooms import RoomState
 
     w = PipelineWorker(sim_config(shm_prefix, tmp_path, bootstrap_timeout_s=30.0))

@@ -1,6 +1,6 @@
 """Security: which segments the worker opens and unlinks, cache poisoning, and resource bounds.
 
-The segment rules (PROTOCOL.md section 1): a name is taken only if it is `/<prefix>...`
+The segment rules (docs/protocol.md section 1): a name is taken only if it is `/<prefix>...`
 without another `/`, not one of the worker's own objects, a regular file (never through a
 symlink) owned by the worker's user, and of exactly the size the request says. Anything
 else fails its room, and is left where it was.

@@ -184,7 +184,7 @@ class _Engine:
 
 @pytest.mark.parametrize("again", ["new session", "same session", "same session, new status endpoint"])
 def test_an_alloc_from_a_receiver_that_registered_again_is_never_written(sender, again):
-    """A register replaces the one before (a restarted receiver, PROTOCOL.md §2): an alloc
+    """A register replaces the one before (a restarted receiver, docs/protocol.md §2): an alloc
     that came before one under another session names the predecessor's buffers. Its room
     fails; no write starts. The same session registered again (a status endpoint moved)
     is the same receiver's memory: its allocs stand."""

@@ -12,7 +12,7 @@ import time
 from stages.registry import CACHE, INTAKE, REAPER, SCHEDULER, SENDER, TOWER
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/
-# A fresh encode's critical path (README, "life of one image"): each step is a ring
+# A fresh encode's critical path (docs/design.md, "The life of an image"): each step is a ring
 # in the pipeline, checked against pipeline/wiring.py's EDGES by hops_on_fresh_path().
 FRESH_ENCODE_PATH = (INTAKE, CACHE, SCHEDULER, TOWER, SENDER, REAPER)
 

@@ -1,7 +1,7 @@
 """The end of a chaos run judged: every room concluded at every receiver alive to hear
 it, the same way at all of them and as the worker's room table says, within its bound;
 the final rooms succeeded; receivers and stages closed cleanly; /dev/shm is clean. The
-known limits (README 1 and 3) excuse what they describe, and the rooms they excuse are
+known limits (docs/design.md, 1 and 3) excuse what they describe, and the rooms they excuse are
 listed in the result."""
 from __future__ import annotations
 

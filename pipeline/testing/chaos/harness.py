@@ -377,7 +377,7 @@ class Chaos:
                        for k, ob in rm.observers.items())]
 
     def statuses_lost_with_reaper(self, room: int) -> bool:
-        """README known limit (1): statuses the reaper sent just before it was killed (or
+        """Known limit 1 (docs/design.md): statuses the reaper sent just before it was killed (or
         stopped, then killed) can be lost with its socket buffers."""
         slot = self.w.runtime.rooms.find(room)
         e = self.w.runtime.rooms.get(slot) if slot is not None else None
@@ -431,7 +431,7 @@ class Chaos:
         # Stages publish their counters a few times a second: what the last answer changed
         # may not be on the board yet, so the counters get a few publishing rounds to clear.
         # Allocs held for rooms the worker never saw (their requests died in a killed intake)
-        # are answered "unknown room" only bootstrap_timeout_s after they came (PROTOCOL.md
+        # are answered "unknown room" only bootstrap_timeout_s after they came (docs/protocol.md
         # §4), and settle() does not wait for such rooms (known limit 3): they get that long.
         keys = ("sender_live_rooms", "sender_held_allocs", "sender_early_items", "scheduler_pending")
         start = time.monotonic()

@@ -186,7 +186,7 @@ class ChaosReceiver:
             self.check_canaries(self.quarantine.popleft()[1])
         self.r.close()
         self.conn.send(("final", {"registered_after_close": len(self.r.engine.registered),
-                                  "engines_leaked": len(transport._LEAKED)}))
+                                  "engines_leaked": len(transport.LEAKED)}))
 
 
 def receiver_main(rx_id: str, bootstrap: str, conn, buffer_bytes: int) -> None:

@@ -1,6 +1,6 @@
 """What the chaos killed and when, and when the worker was not whole: the excuses (a
 request lost with a killed intake, statuses with a killed reaper, allocs with a killed
-sender; README known limits 1 and 3) and the serving time a room's bound counts."""
+sender; known limit (docs/design.md)s 1 and 3) and the serving time a room's bound counts."""
 from __future__ import annotations
 
 import bisect
@@ -62,14 +62,14 @@ class KillTimeline:
         return t - down
 
     def intake_killed_after(self, sent_at: float) -> bool:
-        """Could the request have been lost with a SIGKILLed intake (README known limit 3)? The
+        """Could the request have been lost with a SIGKILLed intake (known limit (docs/design.md) 3)? The
         client's ZeroMQ may write a request sent just after the death into the dead
         connection before it notices, so a kill shortly before the send counts too."""
         return any(t >= sent_at - INTAKE_LOSS_S for t in self.intake_kills)
 
     def sender_killed_after(self, sent_at: float) -> bool:
         """Could the room's allocs have died in a SIGKILLed sender's socket before it held them
-        (README known limit 3)? Then, for a request the worker never saw, nobody answers them."""
+        (known limit (docs/design.md) 3)? Then, for a request the worker never saw, nobody answers them."""
         return any(sent_at - INTAKE_LOSS_S <= t <= sent_at + self.s.bootstrap_timeout_s for t in self.sender_kills)
 
     def reaper_killed_near(self, concluded: float) -> bool:
