@@ -30,7 +30,7 @@ from typing import Callable
 
 import zmq
 
-from ipc.ring import RECORD_HEADER, Ring, wait_any
+from ipc.ring import Ring, wait_any
 from ipc.transport import Engine
 from pipeline import wiring
 from stages import registry
@@ -73,11 +73,12 @@ class Env:
 
     @property
     def engine(self) -> Engine:
-        """The Mooncake engine, with the embedding arena registered once."""
+        """The Mooncake engine; the embedding arena is its writes' source (over TCP not
+        registered, so no peer reads or writes it through Mooncake)."""
         if self._engine is None:
             cfg, arena = self.cfg, self.shared.emb_arena
             self._engine = Engine(cfg.hostname, cfg.protocol, cfg.device)
-            self._engine.register(arena.address, arena.size)
+            self._engine.register_source(arena.address, arena.size)
         return self._engine
 
     @property

@@ -9,7 +9,7 @@ import signal
 import time
 from typing import Protocol
 
-from ipc import shm
+from ipc import ordering, shm
 from ipc.rooms import RoomState
 from pipeline import wiring
 from pipeline.config import WorkerConfig
@@ -60,6 +60,10 @@ class RunResources:
     create the arenas and the room table."""
 
     def __init__(self, cfg: WorkerConfig, needs: dict[str, int] | None = None, placement: dict | None = None):
+        try:  # before anything is made: the rings' barriers must be in place on this CPU
+            ordering.check_cpu()
+        except ordering.UnsupportedCPU as e:
+            raise StartError(str(e)) from None
         # Before any stage process exists: it takes NOTIFY_SOCKET out of the environment
         # they inherit, so the service manager hears from this process alone.
         self.notifier = Notifier()

@@ -348,3 +348,16 @@ def test_a_run_directory_someone_else_controls_is_refused(mode, fault, shm_prefi
         start_worker(mode, cfg).close()
     assert str(run_dir) in str(e.value)
     assert not os.path.exists(run_dir / "intake.sock")
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "inprocess"])
+def test_a_cpu_without_the_rings_barriers_is_refused_before_anything_is_made(monkeypatch, shm_prefix, tmp_path,
+                                                                             mode):
+    import platform
+
+    from pipeline.runtime import StartError
+
+    monkeypatch.setattr(platform, "machine", lambda: "riscv64")
+    with pytest.raises(StartError, match="refusing to start on a riscv64 CPU"):
+        start_worker(mode, sim_config(shm_prefix, tmp_path))
+    assert shm.list_objects(shm_prefix) == []
