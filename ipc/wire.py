@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import functools
 import re
+import secrets
 import struct
 from collections import Counter
 from dataclasses import dataclass
 
+import blake3
 import msgpack
 import xxhash
 
@@ -21,6 +23,8 @@ MODALITIES = ("image", "video")
 MAX_REQUEST_ID = 128
 MAX_ID_CHARS = 256  # receiver ids, sessions, endpoints
 MAX_REASON_KEYS = 64
+MAX_CACHE_SALT = 128  # characters of an encode's cache_salt (protocol 1.1)
+CACHE_KEY_BYTES = 32  # the key of the keyed content hash (BLAKE3's key size)
 # What ZeroMQ can connect to: a host (name, IPv4 or [IPv6]) and a port, or an ipc path
 # that fits a socket address. Anything else makes connect() raise in the reaper.
 _STATUS_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})|ipc://[^\0]{1,100}")
@@ -104,6 +108,7 @@ class EncodeRequest:
     room: int
     items: list[EncodeItem]
     deadline_ms: int | None
+    cache_salt: str = ""  # absent (or nil) is the empty salt
 
 
 def shm_names(msg: dict) -> list[str]:
@@ -131,11 +136,14 @@ def parse_encode(msg: dict, max_items: int) -> EncodeRequest:
     deadline = msg.get("deadline_ms")
     if deadline is not None and (not is_int(deadline) or not 1 <= deadline <= 10**9):
         raise ProtocolError("deadline_ms must be an integer in 1..1e9")
+    salt = msg.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT):
+        raise ProtocolError(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters")
     items = msg.get("items")
     if not isinstance(items, list) or not 1 <= len(items) <= max_items:
         raise ProtocolError(f"items must be a list of 1..{max_items} items (max_items_per_request)")
     parsed = [_parse_item(i, it) for i, it in enumerate(items)]
-    return EncodeRequest(rid, room, parsed, deadline)
+    return EncodeRequest(rid, room, parsed, deadline, salt or "")
 
 
 def _parse_item(i: int, it) -> EncodeItem:
@@ -287,11 +295,9 @@ def status_message(room: int, item: int | None, ok: bool, reason: str = "") -> b
 
 
 def content_hash(modality: str, grid_thw, pixel_dtype: str, pixels) -> int:
-    """64-bit hash of what determines an embedding: the pixel bytes *and* their grid.
-
-    The same bytes under another grid (say [1, 4, 8] and [1, 8, 4]) give other
-    rows, so the grid and dtype go into the hash, not only the bytes.
-    """
+    """Unkeyed 64-bit xxh3 of what determines an embedding: what gateways route rooms by
+    (pipeline/client.py's routing_key), which anyone can compute. Never a cache key: a
+    peer can craft collisions of it (the worker's cache keys are cache_hash)."""
     h = content_hasher(modality, grid_thw, pixel_dtype)
     h.update(pixels)
     return h.intdigest()
@@ -300,6 +306,56 @@ def content_hash(modality: str, grid_thw, pixel_dtype: str, pixels) -> int:
 def content_hasher(modality: str, grid_thw, pixel_dtype: str):
     """content_hash as a running hash: update it with the pixel bytes, in any pieces."""
     h = xxhash.xxh3_64()
-    h.update(f"{modality}|{pixel_dtype}|".encode())
-    h.update(struct.pack(f"<{3 * len(grid_thw)}q", *(x for g in grid_thw for x in g)))
+    h.update(_hash_header(modality, grid_thw, pixel_dtype))
     return h
+
+
+def cache_hash(key: bytes, modality: str, grid_thw, pixel_dtype: str, pixels) -> bytes:
+    """The worker's content hash of an item, its cache key: BLAKE3 in keyed mode (256
+    bits) under the worker's secret `key`, of the pixel bytes *and* their grid.
+
+    Keyed, so that no peer can compute it (nor craft two images under one key) without
+    the key; the same bytes under another grid (say [1, 4, 8] and [1, 8, 4]) give other
+    rows, so the grid and dtype go into the hash, not only the bytes.
+    """
+    h = cache_hasher(key, modality, grid_thw, pixel_dtype)
+    h.update(pixels)
+    return h.digest()
+
+
+def cache_hasher(key: bytes, modality: str, grid_thw, pixel_dtype: str):
+    """cache_hash as a running hash: update it with the pixel bytes, in any pieces;
+    `digest()` is cache_hash."""
+    h = blake3.blake3(key=key)
+    h.update(_hash_header(modality, grid_thw, pixel_dtype))
+    return h
+
+
+def _hash_header(modality: str, grid_thw, pixel_dtype: str) -> bytes:
+    return f"{modality}|{pixel_dtype}|".encode() + struct.pack(f"<{3 * len(grid_thw)}q",
+                                                             *(x for g in grid_thw for x in g))
+
+
+def new_cache_key() -> bytes:
+    return secrets.token_bytes(CACHE_KEY_BYTES)
+
+
+def parse_cache_key(data: bytes) -> bytes:
+    """A key file's contents as the key: CACHE_KEY_BYTES raw bytes, or twice as many hex
+    digits (surrounding whitespace allowed). ValueError says what is wrong."""
+    if len(data) == CACHE_KEY_BYTES:
+        return data
+    text = data.strip()
+    if len(text) == 2 * CACHE_KEY_BYTES:
+        try:
+            return bytes.fromhex(text.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            pass
+    raise ValueError(f"it holds {len(data)} bytes; a cache key is {CACHE_KEY_BYTES} raw bytes or "
+                     f"{2 * CACHE_KEY_BYTES} hex digits")
+
+
+def cache_key_id(key: bytes) -> str:
+    """A name for a key that gives nothing of it away: two workers share a key exactly when
+    they show the same id (stats, run.py status)."""
+    return blake3.blake3(b"epd cache key id", key=key).hexdigest()[:16]

@@ -71,7 +71,9 @@ class Client:
         return name
 
     def message(self, room: int, request_id: str, items: list[Item], *, deadline_ms: int | None = None,
-                inline: bool = False) -> dict:
+                inline: bool = False, cache_salt: str | None = None) -> dict:
+        """The `encode` message; `cache_salt` (protocol 1.1, at most 128 characters): items
+        of requests with other salts never share a cache entry or an encode with these."""
         inline = inline or self.shm_prefix is None
         msg_items = []
         published = []
@@ -95,11 +97,14 @@ class Client:
                "items": msg_items}
         if deadline_ms is not None:
             msg["deadline_ms"] = deadline_ms
+        if cache_salt is not None:
+            msg["cache_salt"] = cache_salt
         return msg
 
     def encode(self, room: int, request_id: str, items: list[Item], *, deadline_ms: int | None = None,
-               inline: bool = False) -> None:
-        self.send(self.message(room, request_id, items, deadline_ms=deadline_ms, inline=inline))
+               inline: bool = False, cache_salt: str | None = None) -> None:
+        self.send(self.message(room, request_id, items, deadline_ms=deadline_ms, inline=inline,
+                               cache_salt=cache_salt))
 
     def send(self, msg: dict) -> None:
         self.sock.send(wire.encode(msg))
@@ -121,8 +126,9 @@ class WorkerAddress:
 
 
 def routing_key(items: list[Item]) -> int:
-    """A room's key on the ring: its first item's content hash, the same hash the
-    worker caches it under (or the item's own `hash` when the gateway gives one)."""
+    """A room's key on the ring: its first item's unkeyed content hash, so that a repeated
+    image goes to the same worker (or the item's own `hash` when the gateway gives one).
+    Not the worker's cache key, which is keyed with a secret the gateway does not hold."""
     first = items[0]
     if first.hash is not None:
         return first.hash
@@ -161,10 +167,11 @@ class RoutedClient:
         return self.ring.route(routing_key(items))
 
     def encode(self, room: int, request_id: str, items: list[Item], *, deadline_ms: int | None = None,
-               inline: bool = False) -> str:
+               inline: bool = False, cache_salt: str | None = None) -> str:
         """Send the room to its worker; returns that worker's bootstrap endpoint."""
         bootstrap = self.route(items)
-        self.clients[bootstrap].encode(room, request_id, items, deadline_ms=deadline_ms, inline=inline)
+        self.clients[bootstrap].encode(room, request_id, items, deadline_ms=deadline_ms, inline=inline,
+                                       cache_salt=cache_salt)
         self.rooms[room] = bootstrap
         return bootstrap
 

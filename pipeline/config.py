@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from ipc import shm
 from stages import registry
+from stages.embedding_cache import read_key_file
 from stages.towers import TOWER_SETTINGS, TOWERS, SettingError
 
 ENV_PREFIX = "EPD_"
@@ -81,6 +82,9 @@ class WorkerConfig:
                                                 "(at most half of it)")
     host_cache_bytes: int = setting(1 << 30, "the host-DRAM cache tier")
     trust_client_hash: bool = setting(False, "use the client's content hash instead of hashing the pixels")
+    cache_key_file: str = setting("", "a file of the key pixels are hashed under for the cache (32 bytes, or 64 "
+                                      "hex digits; not readable by every user), to share one key among "
+                                      "workers; '' for a random key of each run")
     bootstrap_timeout_s: float = setting(120.0, "a room whose allocs have not all arrived by then fails")
     tombstone_ttl_s: float = setting(600.0, "how long a concluded room is remembered (late allocs, cancels)")
     max_tombstones: int = setting(65536, "concluded rooms remembered at most")
@@ -185,6 +189,11 @@ class WorkerConfig:
                 raise ConfigError(f"metrics_endpoint must be '' or host:port (a port 0-65535), "
                                   f"got {self.metrics_endpoint!r}", "metrics_endpoint")
         parse_numa(self.numa, self.tower_replicas)
+        if self.cache_key_file:
+            try:
+                read_key_file(self.cache_key_file)
+            except ValueError as e:
+                raise ConfigError(f"cache_key_file: {e}", "cache_key_file") from None
         return self
 
     def tower_settings(self) -> dict:

@@ -4,11 +4,11 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 
+from ipc import wire
 from ipc.arena import Arena, Lease, StaleLease
-from ipc.wire import content_hash
 from stages import registry
 from stages.base import Stage
-from stages.embedding_cache import EmbeddingCache, InflightMisses
+from stages.embedding_cache import EmbeddingCache, InflightMisses, cache_key, make_key
 from stages.records import (OWNER_CACHE, OWNER_INTAKE, Encoded, EncodeFailed, ReadyItem, RoomAbandoned,
                             RoomFailure, SpaceWanted, WorkItem)
 
@@ -19,14 +19,21 @@ class CacheStage(Stage):
     A hit goes to the sender ready; the first miss of a key goes on to the scheduler to
     be encoded; an identical miss while that one is in flight waits for it, in this
     stage's custody, and goes to the sender with its rows.
+
+    Items are keyed by the keyed hash intake took of their pixels under the run's
+    `content_key` (or a trusted client's own hash), their shape, and their request's
+    cache_salt: items of different salts share neither an entry nor an encode.
     """
 
     name = registry.CACHE
     owner = OWNER_CACHE
 
     def __init__(self, emit, *, pixel_arena: Arena, cache: EmbeddingCache, hidden: int, dtype: str,
-                 trust_client_hash: bool = False, custody=None):
+                 trust_client_hash: bool = False, custody=None, content_key: bytes | None = None):
         super().__init__(emit, custody)
+        # The run's key (the same as intake's): items whose pixels intake did not hash are hashed here.
+        self.content_key = content_key if content_key is not None else wire.new_cache_key()
+        self.content_key_id = wire.cache_key_id(self.content_key)
         self.pixel_arena = pixel_arena
         self.cache = cache
         self.emb_arena = cache.arena  # the rows, cached or in flight
@@ -60,7 +67,8 @@ class CacheStage(Stage):
         self.flush_inserts()
 
     def stats(self) -> dict:
-        return {"cache": self.cache.stats(), "dedup_hits": self.dedup_hits, "cache_items": dict(self.outcomes)}
+        return {"cache": self.cache.stats(), "dedup_hits": self.dedup_hits, "cache_items": dict(self.outcomes),
+                "cache_key_id": self.content_key_id}
 
     def close(self) -> None:
         self.flush_inserts()
@@ -68,12 +76,13 @@ class CacheStage(Stage):
 
     def key_of(self, w: WorkItem) -> tuple:
         if self.trust_client_hash and w.client_hash is not None:
-            h = w.client_hash
+            h = w.client_hash  # an int: never equal to a keyed hash (bytes)
         elif w.pixel_hash is not None:
             h = w.pixel_hash
         else:
-            h = content_hash(w.modality, w.grid_thw, w.pixel_dtype, self.pixel_arena.view(w.pixels))
-        return (w.modality, h, w.span, self.hidden, self.dtype)
+            h = wire.cache_hash(self.content_key, w.modality, w.grid_thw, w.pixel_dtype,
+                                self.pixel_arena.view(w.pixels))
+        return make_key(w.modality, h, w.span, self.hidden, self.dtype, w.cache_salt)
 
     def flush_inserts(self) -> None:
         pending, self.pending_inserts = self.pending_inserts, []
@@ -206,4 +215,5 @@ def build(env, name, emit, custody) -> CacheStage:
     cfg, spec, sh = env.cfg, env.spec, env.shared
     cache = EmbeddingCache(sh.emb_arena, OWNER_CACHE, cfg.arena_cache_bytes, cfg.host_cache_bytes)
     return CacheStage(emit, pixel_arena=sh.pixel_arena, cache=cache, hidden=spec.hidden, dtype=spec.dtype,
-                      trust_client_hash=cfg.trust_client_hash, custody=custody)
+                      trust_client_hash=cfg.trust_client_hash, custody=custody,
+                      content_key=cache_key(cfg.cache_key_file, cfg.shm_prefix, env.run_id))

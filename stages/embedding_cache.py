@@ -1,8 +1,13 @@
 """The embedding cache: a bytes-bounded LRU in two exclusive tiers, and in-flight dedup.
 
 Key
-    ``(modality, hash, span, hidden, dtype)``, a tuple (``make_key``); never the
-    content hash alone, so two models or dtypes never share an entry.
+    ``(modality, hash, span, hidden, dtype, salt)``, a tuple (``make_key``); never
+    the content hash alone, so two models or dtypes never share an entry, nor two
+    requests of different ``cache_salt``. ``hash`` is the worker's keyed hash of the
+    pixels (``ipc.wire.cache_hash``, bytes), or a trusted client's own hash (an int):
+    the two never compare equal, so no client hash can name a keyed entry. The key
+    the pixels are hashed under (``cache_key``) is the run's secret, or the operator's
+    file's, shared by every stage process of the run.
 
 Value
     The item's rows as one contiguous blob: the main rows (``span*hidden*itemsize``
@@ -53,16 +58,91 @@ Only the cache stage touches the index, so there is no locking here.
 from __future__ import annotations
 
 import enum
+import os
+import secrets
+import stat
 from collections import OrderedDict
 from typing import Any, Hashable, Optional
 
+from ipc import shm, wire
 from ipc.arena import Arena, ArenaFull, Lease, StaleLease
 
-CacheKey = tuple  # (modality, hash, span, hidden, dtype)
+CacheKey = tuple  # (modality, hash, span, hidden, dtype, salt)
 
 
-def make_key(modality: str, content_hash: int, span: int, hidden: int, dtype: str) -> CacheKey:
-    return (modality, content_hash, int(span), int(hidden), str(dtype))
+def make_key(modality: str, content_hash: bytes | int, span: int, hidden: int, dtype: str,
+             salt: str = "") -> CacheKey:
+    return (modality, content_hash, int(span), int(hidden), str(dtype), str(salt))
+
+
+def cache_key(key_file: str, prefix: str, run_id: str) -> bytes:
+    """The key this run hashes pixels under: the operator's `key_file` (workers that share
+    it cache an image under the same key), or by default a random key of the run's own."""
+    return read_key_file(key_file) if key_file else run_key(prefix, run_id)
+
+
+def read_key_file(path: str) -> bytes:
+    """The key in an operator's key file; ValueError says why it cannot be used. A file
+    that every user may read (or write) gives the key away: refused."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        if st.st_mode & (stat.S_IROTH | stat.S_IWOTH):
+            raise ValueError(f"{path} is readable or writable by every user (mode {stat.S_IMODE(st.st_mode):o}), "
+                             f"which gives the cache key away: chmod o-rw it (600 or 640)")
+        data = os.read(fd, 4 * wire.CACHE_KEY_BYTES)
+    finally:
+        os.close(fd)
+    try:
+        return wire.parse_cache_key(data)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e} (make one: head -c 32 /dev/urandom > {path})") from None
+
+
+def run_key(prefix: str, run_id: str) -> bytes:
+    """The run's own random key, the same in every stage process of the run and in a
+    restarted one: a shared-memory object of the run (mode 0600, swept with the run's
+    other objects), made by whichever stage asks first. It is written in full under a
+    name of its own, then linked to the run's name, so that a stage never reads a
+    half-written key, and of two stages that make one at once, the first link wins."""
+    path = os.path.join(shm.SHM_DIR, shm.object_name(prefix, run_id, "cachekey"))
+    try:
+        return _read_run_key(path)
+    except FileNotFoundError:
+        pass
+    mine = os.path.join(shm.SHM_DIR, shm.object_name(prefix, run_id, f"cachekey.{secrets.token_hex(4)}"))
+    fd = os.open(mine, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, wire.new_cache_key())
+        os.close(fd)
+        try:
+            os.link(mine, path)
+        except FileExistsError:
+            pass
+    finally:
+        os.unlink(mine)
+    return _read_run_key(path)
+
+
+def _read_run_key(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        data = os.read(fd, wire.CACHE_KEY_BYTES + 1)
+    finally:
+        os.close(fd)
+    # Another user could have made it first in the shared /dev/shm, knowing the key.
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise RuntimeError(f"{path} is not this user's alone (uid {st.st_uid}, mode "
+                           f"{stat.S_IMODE(st.st_mode):o}): refusing the cache key in it")
+    if len(data) != wire.CACHE_KEY_BYTES:
+        raise RuntimeError(f"{path} holds {len(data)} bytes, not a cache key of {wire.CACHE_KEY_BYTES}")
+    return data
 
 
 def entry_nbytes(span: int, hidden: int, deepstack_width: int, itemsize: int) -> int:
@@ -89,9 +169,9 @@ class Status(enum.Enum):
 
 
 def _check_key(key) -> None:
-    if not isinstance(key, tuple) or len(key) != 5:
+    if not isinstance(key, tuple) or len(key) != 6:
         raise TypeError(
-            f"cache key must be a (modality, hash, span, hidden, dtype) tuple, got {key!r}"
+            f"cache key must be a (modality, hash, span, hidden, dtype, salt) tuple, got {key!r}"
         )
 
 

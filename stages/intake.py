@@ -12,6 +12,7 @@ from ipc.stats import reason_class
 from ipc.wire import ProtocolError
 from stages import registry, segments
 from stages.base import POLL_S, Stage
+from stages.embedding_cache import cache_key
 from stages.records import OWNER_INTAKE, RoomFailure, RoomOpened, WorkItem
 
 log = logging.getLogger("epd.intake")
@@ -39,8 +40,11 @@ class IntakeStage(Stage):
     def __init__(self, emit, *, prefix: str, pixel_arena: Arena, rooms: RoomTable, patch_dim: int, merge: int,
                  row_bytes: int, emb_arena_bytes: int, max_items_per_request: int,
                  max_pixel_bytes_per_request: int, max_live_rooms: int, trust_client_hash: bool = False,
-                 custody=None, endpoint: str = "", max_frame: int = 0, journal=None):
+                 custody=None, endpoint: str = "", max_frame: int = 0, journal=None,
+                 content_key: bytes | None = None):
         super().__init__(emit, custody)
+        # Pixels are hashed under the run's secret key (the cache keys items by it): no peer can compute a key.
+        self.content_key = content_key if content_key is not None else wire.new_cache_key()
         self.prefix = prefix
         self.pixel_arena = pixel_arena
         self.rooms = rooms
@@ -101,7 +105,7 @@ class IntakeStage(Stage):
 
     def stats(self) -> dict:
         return {"intake_dropped": dict(self.dropped), "intake_failed": dict(self.failed),
-                "requests": dict(self.requests)}
+                "requests": dict(self.requests), "cache_key_id": wire.cache_key_id(self.content_key)}
 
     # ------------------------------------------------------------ one frame
     def _handle(self, frame: bytes, arrival: float) -> None:
@@ -196,7 +200,7 @@ class IntakeStage(Stage):
                 slot=slot, room=room, item=i, seq=self._seq, modality=it.modality,
                 grid_thw=tuple(tuple(g) for g in it.grid_thw), pixel_dtype=it.pixels.dtype,
                 n_patches=it.pixels.shape[0], patch_dim=it.pixels.shape[1], span=span,
-                pixels=lease, client_hash=it.hash, pixel_hash=h))
+                pixels=lease, client_hash=it.hash, pixel_hash=h, cache_salt=req.cache_salt))
         self.rooms.advance(slot, room, RoomState.QUEUED)
         self.custody.release(slot, room)
         return True
@@ -216,7 +220,7 @@ class IntakeStage(Stage):
         for lease in leases:
             self.pixel_arena.drop(lease, OWNER_INTAKE)
 
-    def _read_pixels(self, msg: dict, req: wire.EncodeRequest, leases: list[Lease]) -> list[int | None]:
+    def _read_pixels(self, msg: dict, req: wire.EncodeRequest, leases: list[Lease]) -> list[bytes | None]:
         """Each item's pixels into its lease, and their content hash (None where the cache
         keys the item by the client's hash). The segments are closed before it returns."""
         taken = segments.take(self.prefix, wire.shm_names(msg))
@@ -228,10 +232,10 @@ class IntakeStage(Stage):
             segments.close(taken, checked)
         return hashes
 
-    def _read_item(self, it: wire.EncodeItem, taken: dict, lease: Lease) -> int | None:
+    def _read_item(self, it: wire.EncodeItem, taken: dict, lease: Lease) -> bytes | None:
         # Hashed as it is read: the cache stage would read the bytes again from memory.
         hasher = (None if self.trust_client_hash and it.hash is not None
-                  else wire.content_hasher(it.modality, it.grid_thw, it.pixels.dtype))
+                  else wire.cache_hasher(self.content_key, it.modality, it.grid_thw, it.pixels.dtype))
         view = self.pixel_arena.view(lease)
         if it.pixels.data is not None:
             view[:] = it.pixels.data
@@ -239,7 +243,7 @@ class IntakeStage(Stage):
                 hasher.update(view)
         else:
             segments.read_into(taken[it.pixels.shm], it.pixels, view, hasher)
-        return None if hasher is None else hasher.intdigest()
+        return None if hasher is None else hasher.digest()
 
     # ------------------------------------------------------------ a frame that opens no room
     def _fail_new_room(self, room: int, rid: str, reason: str) -> None:
@@ -288,4 +292,5 @@ def build(env, name, emit, custody) -> IntakeStage:
                        max_items_per_request=cfg.max_items_per_request,
                        max_pixel_bytes_per_request=cfg.max_pixel_bytes_per_request,
                        max_live_rooms=cfg.max_live_rooms, trust_client_hash=cfg.trust_client_hash,
-                       custody=custody, endpoint=cfg.intake, max_frame=max_frame, journal=env.journal)
+                       custody=custody, endpoint=cfg.intake, max_frame=max_frame, journal=env.journal,
+                       content_key=cache_key(cfg.cache_key_file, cfg.shm_prefix, env.run_id))
