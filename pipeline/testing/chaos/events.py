@@ -82,6 +82,7 @@ def signal_stage(c, name: str, pid: int, sig, note: str = "") -> None:
     """SIGKILL or SIGSTOP a stage, with what it held and when the supervisor must have killed it."""
     held = c.held_by(name)
     now = time.monotonic()
+    c.signalled[name] += 1
     if sig == signal.SIGSTOP:
         before = c.w.runtime.restart_counts[name]
         os.kill(pid, signal.SIGSTOP)

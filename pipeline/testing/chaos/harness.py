@@ -80,6 +80,8 @@ class Chaos:
         self.gave_up = False
         self.final_sent: list[int] = []
         self.stopped: tuple | None = None   # (stage, pid, restarts before, deadline) of a SIGSTOPped stage
+        self.signalled: Counter = Counter()  # stage -> the harness's SIGKILLs and SIGSTOPs of it
+        self.unasked: Counter = Counter()    # stage -> deaths the harness did not cause
         self.violation_kinds: Counter = Counter()
         self.observer_end: dict = {}        # slot key -> when that incarnation died
         self.load_on = True
@@ -266,6 +268,10 @@ class Chaos:
                     except ProcessLookupError:
                         pass
                 self.stopped = None
+        for name, restarts in self.w.runtime.restart_counts.items():
+            while restarts > self.signalled[name] + self.unasked[name]:
+                self.unasked[name] += 1
+                self.timeline.stage_died_unasked(name, now)
         for slot in self.slots:
             if slot.state == "dead" and now >= slot.restart_at:
                 self.receiver_restarts += 1

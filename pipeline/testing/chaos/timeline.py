@@ -45,6 +45,18 @@ class KillTimeline:
         if name == SENDER:
             self.sender_kills.append(killed_by)
 
+    def stage_died_unasked(self, name: str, now: float) -> None:
+        """The supervisor killed a stage the harness did not signal: one blocked on a lock that
+        a SIGSTOPped stage held (docs/design.md, "Hung stages are killed by a thread that takes
+        no lock"). What was in its socket is lost as with a SIGKILL (known limit 3)."""
+        self.log(f"stage {name} was killed by the supervisor without a signal of the harness")
+        if name == INTAKE:
+            self.intake_kills.append(now)
+        if name == REAPER:
+            self.reaper_kills.append(now)
+        if name == SENDER:
+            self.sender_kills.append(now)
+
     def start_degraded(self, now: float) -> None:
         if self.degraded_since is None:
             self.degraded_since = now
