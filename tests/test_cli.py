@@ -1,4 +1,5 @@
-"""run.py: subcommands, --help, `config`, exit codes, and the logs of a running pipeline."""
+"""The command line (pipeline/cli.py: `epd-worker`, and run.py its shim): subcommands, --help,
+`config`, exit codes, and the logs of a running pipeline."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import types
 
 import pytest
 
-import run
+from pipeline import cli
 from pipeline.client import Client, Item
 from pipeline.config import FIELDS, flag_name
 from pipeline.receiver import Receiver
@@ -36,9 +37,9 @@ def clean(monkeypatch):
 
 
 def exits(argv, capsys) -> tuple[int, str, str]:
-    """run.main(argv)'s exit code (returned, or raised by argparse), stdout and stderr."""
+    """cli.main(argv)'s exit code (returned, or raised by argparse), stdout and stderr."""
     try:
-        code = run.main(argv)
+        code = cli.main(argv)
     except SystemExit as e:
         code = e.code
     out, err = capsys.readouterr()
@@ -52,11 +53,31 @@ def flat(text: str) -> str:
 def test_top_level_help_lists_commands_and_exit_codes(capsys):
     code, out, _ = exits(["--help"], capsys)
     assert code == 0
-    for command in run.COMMANDS:
+    for command in cli.COMMANDS:
         assert re.search(rf"^\s+{command}\s+\S", out, re.M), command
     assert "exit codes:" in out
     assert "4 no worker with this shm prefix is running" in flat(out)
     assert "3 the worker could not start" in flat(out)
+    assert out.startswith("usage: epd-worker ") and "epd-worker COMMAND --help" in out
+
+
+def test_run_py_is_a_shim_of_the_console_script(capsys):
+    """run.py names itself in the help it prints and runs the same main()."""
+    import run
+
+    assert run.main is cli.main and run.build_parser is cli.build_parser
+    with pytest.raises(SystemExit):
+        run.main(["--help"], prog="run.py")
+    out = capsys.readouterr().out
+    assert out.startswith("usage: run.py ") and "run.py COMMAND --help" in out
+    assert "epd-worker" not in out
+
+
+def test_bench_outside_a_source_checkout_says_where_it_runs(monkeypatch, capsys):
+    real_exists = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: False if p.endswith("bench.py") else real_exists(p))
+    code, _, err = exits(["bench", "--quick"], capsys)
+    assert code == 2 and "bench runs from a source checkout" in err
 
 
 @pytest.mark.parametrize("command", ["demo", "serve", "config", "status"])
