@@ -498,12 +498,12 @@ class CacheRig:
         self.stage = CacheStage(lambda dest, rec: self.sent.append((dest, rec)), pixel_arena=self.pixel_arena,
                                 cache=cache, hidden=4, dtype="float32")
 
-    def item(self, room: int) -> WorkItem:
+    def item(self, room: int, salt: str = "") -> WorkItem:
         """Intake hands over an item of `room` (pixels in our arena, intake's reference)."""
         lease = self.pixel_arena.alloc(len(PIXELS), OWNER_INTAKE)
         self.pixel_arena.view(lease)[:] = PIXELS
         w = WorkItem(slot=room, room=room, item=0, seq=room, modality="image", grid_thw=((1, 2, 2),),
-                     pixel_dtype="float32", n_patches=4, patch_dim=1, span=1, pixels=lease)
+                     pixel_dtype="float32", n_patches=4, patch_dim=1, span=1, pixels=lease, cache_salt=salt)
         keyed = replace(w, key=self.stage.key_of(w))  # as the cache passes it on
         self.stage.handle("intake", w)
         return keyed
@@ -603,4 +603,27 @@ def test_late_result_of_replaced_item_sends_nothing_twice(rig, late):
     assert rig.received(rig.take("sender")) == expected, "each waiter gets exactly one ReadyItem"
     assert rig.sent == [], "no second encode of b, no failure of a room that did not fail"
     assert len(rig.stage.inflight) == 0
+    rig.check_no_leaks()
+
+
+def test_salts_share_neither_an_encode_in_flight_nor_an_entry(rig):
+    """The same pixels under another salt are a miss of their own, encoded on their own;
+    the same salt waits for the encode in flight, and later hits its entry only."""
+    a = rig.item(1, salt="tenant-a")
+    b = rig.item(2, salt="tenant-b")
+    assert rig.take("scheduler") == [a, b], "another salt does not wait for a's encode"
+    a2 = rig.item(3, salt="tenant-a")
+    assert rig.sent == [] and a2.key == a.key != b.key
+    for w, fill in ((a, 0xAA), (b, 0xBB)):
+        rig.into_tower(w)
+        rig.encoded(w, fill)
+    assert rig.received(rig.take("sender")) == [(3, b"\xaa" * 16)]  # the waiter got a's rows
+    rig.stage.flush_inserts()
+    rig.item(4, salt="tenant-b")
+    rig.item(5, salt="")
+    assert rig.received(rig.take("sender")) == [(4, b"\xbb" * 16)], "b's salt hits b's entry"
+    (c,) = rig.take("scheduler")
+    assert c.room == 5, "the empty salt shares nothing with the others"
+    rig.into_tower(c)
+    rig.encoded(c, 0xCC)
     rig.check_no_leaks()
