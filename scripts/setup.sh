@@ -24,16 +24,29 @@ fi
 
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 
-# The non-CUDA Mooncake wheel unless an NVIDIA driver is present.
-mooncake=mooncake-transfer-engine-non-cuda
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
-  mooncake=mooncake-transfer-engine
+# The Mooncake build (pyproject's extras) by the CUDA version the NVIDIA driver reports:
+# 13 -> cuda13, 12 -> cuda12; none (or an older one, for which no wheel is built) -> cpu.
+mooncake=cpu
+if command -v nvidia-smi >/dev/null 2>&1 && cuda=$(nvidia-smi 2>/dev/null); then
+  case "$(grep -o 'CUDA Version: *[0-9]*' <<<"$cuda" | grep -o '[0-9]*$' || true)" in
+    13) mooncake=cuda13 ;;
+    12) mooncake=cuda12 ;;
+    *) echo "setup.sh: no Mooncake build for this driver's CUDA version; using the non-CUDA one" >&2 ;;
+  esac
 fi
 stamp=.venv/.installed-$(cat pyproject.toml scripts/setup.sh ipc/ordering.c | sha1sum | cut -c1-12)-$mooncake
 if [ ! -e "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  # torch pinned first so that nothing pulls a CUDA build.
+  # torch pinned first, so that [tower]'s range is already met and nothing pulls a CUDA build.
   .venv/bin/python -m pip install -q torch==2.13.0
-  .venv/bin/python -m pip install -q "$mooncake" -e '.[test]'
+  # The three builds share the import name mooncake: keep only the one chosen.
+  others=()
+  for build in cpu:mooncake-transfer-engine-non-cuda cuda12:mooncake-transfer-engine \
+               cuda13:mooncake-transfer-engine-cuda13; do
+    [ "${build%%:*}" = "$mooncake" ] || others+=("${build#*:}")
+  done
+  .venv/bin/python -m pip uninstall -q -y "${others[@]}" 2>/dev/null || true
+  .venv/bin/python -m pip install -q -e ".[$mooncake,tower,test]"
+  rm -f .venv/.installed-*
   touch "$stamp"
 fi
