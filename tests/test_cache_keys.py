@@ -82,11 +82,12 @@ def test_key_files_refused_unless_private_and_the_right_size(tmp_path):
         read_key_file(str(tmp_path))
 
 
-@pytest.mark.parametrize("problem", ["public", "short"])
-def test_run_py_refuses_a_bad_key_file_with_exit_2(tmp_path, problem):
+@pytest.mark.parametrize("command, problem", [("serve", "public"), ("config", "short")])
+def test_run_py_refuses_a_bad_key_file_with_exit_2(tmp_path, command, problem):
     data, mode = {"public": (os.urandom(32), 0o644), "short": (os.urandom(16), 0o600)}[problem]
     path = key_file(tmp_path / "key", data, mode)
-    p = subprocess.run([sys.executable, "run.py", "config", "--tower", "sim", "--cache-key-file", path],
+    p = subprocess.run([sys.executable, "run.py", command, "--tower", "sim", "--cache-key-file", path,
+                        "--shm-prefix", f"w4k{os.getpid()}", "--run-dir", str(tmp_path / "run")],
                        cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env={k: v for k, v in os.environ.items() if not k.startswith("EPD_")})
     assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
