@@ -55,7 +55,7 @@ class Running:
 
     def _serve(self) -> None:
         try:
-            self.code = self.runtime.serve(self.stop)
+            self.code = self.runtime.serving.serve(self.stop)
         except BaseException as e:  # surfaced by close()
             self.error = e
 

@@ -53,22 +53,6 @@ class InProcessWorker:
             self.close()
             raise
 
-    # ------------------------------------------------------------ serving (Serving's)
-    def serve(self, stop: SignalFlag, second: SignalFlag | None = None) -> int:
-        return self.serving.serve(stop, second)
-
-    def drain(self, deadline_s: float, cut_short=lambda: False) -> None:
-        self.serving.drain(deadline_s, cut_short)
-
-    def fail_live(self, reason: str) -> None:
-        self.serving.fail_live(reason)
-
-    def health(self) -> dict:
-        return self.serving.health()
-
-    def live_rooms(self) -> list:
-        return self.run.live_rooms()
-
     # ------------------------------------------------------------ the loop
     def watch(self, stop: SignalFlag) -> None:
         self.step()

@@ -235,6 +235,6 @@ def serve_until_signalled(make, announce) -> int:
     try:
         announce(rt)
         rt.run.notifier.ready(f"serving: intake {rt.cfg.intake}, bootstrap {rt.cfg.bootstrap}")
-        return rt.serve(stop, second)
+        return rt.serving.serve(stop, second)
     finally:
         rt.close()

@@ -196,7 +196,7 @@ def crash_loop(shm_prefix, tmp_path, victim: str, n_rooms: int, first_image: int
         w.thread.join(60)
         assert w.code == 1
         assert victim in w.runtime.fatal
-        assert not w.runtime.live_rooms()
+        assert not w.runtime.run.live_rooms()
         r.wait({room: 1 for room in rooms}, 10)
         assert all(r.concluded(room, 1) for room in rooms)
     finally:

@@ -429,7 +429,7 @@ class Chaos:
             slot = rooms.find(room)
             e = rooms.get(slot) if slot is not None else None
             out[room] = None if e is None else (e.state, e.reason, e.request_id, e.concluded)
-        live = self.w.runtime.live_rooms()
+        live = self.w.runtime.run.live_rooms()
         if live:
             self.violation(f"{len(live)} rooms still live in the worker after settling: " + ", ".join(
                 f"{e.room} ({e.state.name}, custody bits {e.holders:#x}, items {e.items_done}/{e.items_total})"
