@@ -11,6 +11,8 @@ import shutil
 import tokenize
 from pathlib import Path
 
+from tests.test_layers import _copy_tree  # the same three packages
+
 ROOT = Path(__file__).resolve().parent.parent
 CHECKED = ("ipc", "stages", "pipeline")
 SIZED = CHECKED + ("benchmarks",)
@@ -98,12 +100,6 @@ def test_no_file_or_function_is_oversized():
 
 def test_comments_quote_no_measured_figures():
     assert figures_in_comments() == []
-
-
-def _copy_tree(tmp_path: Path) -> Path:
-    for pkg in CHECKED:
-        shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    return tmp_path
 
 
 def test_a_planted_private_access_is_named(tmp_path):

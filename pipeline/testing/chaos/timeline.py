@@ -38,24 +38,22 @@ class KillTimeline:
         self.held_at_kill.append(held)
         self.in_flight_at_kill.append(in_flight)
         self.start_degraded(now)
-        if name == INTAKE:
-            self.intake_kills.append(killed_by)
-        if name == REAPER:
-            self.reaper_kills.append(now)
-        if name == SENDER:
-            self.sender_kills.append(killed_by)
+        self.died(name, now, killed_by)
 
     def stage_died_unasked(self, name: str, now: float) -> None:
         """The supervisor killed a stage the harness did not signal: one blocked on a lock that
         a SIGSTOPped stage held (docs/design.md, "Hung stages are killed by a thread that takes
         no lock"). What was in its socket is lost as with a SIGKILL (known limit 3)."""
         self.log(f"stage {name} was killed by the supervisor without a signal of the harness")
-        if name == INTAKE:
-            self.intake_kills.append(now)
-        if name == REAPER:
-            self.reaper_kills.append(now)
-        if name == SENDER:
-            self.sender_kills.append(now)
+        self.died(name, now, now)
+
+    def died(self, name: str, now: float, killed_by: float) -> None:
+        """What a death loses (known limits 1 and 3): a reaper's last statuses from `now`, what
+        was in an intake's or a sender's socket up to `killed_by`."""
+        kills = {INTAKE: (self.intake_kills, killed_by), REAPER: (self.reaper_kills, now),
+                 SENDER: (self.sender_kills, killed_by)}.get(name)
+        if kills is not None:
+            kills[0].append(kills[1])
 
     def start_degraded(self, now: float) -> None:
         if self.degraded_since is None:
