@@ -230,3 +230,19 @@ def test_stage_processes_log_at_the_configured_level_and_not_per_record(shm_pref
                                                  r"request_id=req-101 reason=tower failed", line)]
     assert len(tower) == 1 and len(reaper) == 1, "\n".join(ours)
     assert not [line for line in ours if re.search(r"\b10[234]\b", line)], "\n".join(ours)
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "inprocess"])
+def test_console_script_runs_the_demo(mode, shm_prefix, tmp_path):
+    """`epd-worker` (the installed console script, run from outside the checkout) runs the
+    demo end to end: every room succeeds and the summary says so."""
+    script = os.path.join(sys.prefix, "bin", "epd-worker")
+    if not os.path.exists(script):
+        pytest.skip(f"no console script at {script}: run scripts/setup.sh")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+    p = subprocess.run([script, "demo", "--mode", mode, "--tower", "sim", "--shm-prefix", shm_prefix,
+                        "--run-dir", str(tmp_path / "run")], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=110)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert re.search(r"^rooms: (\d+) succeeded, 0 failed or missing$", p.stdout, re.M), p.stdout[-2000:]
+    assert f"mode {mode}" in p.stdout
