@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from ipc import shm
+from ipc import shm, wire
 from pipeline.client import Item, RoutedClient, WorkerAddress, routing_key
 from pipeline.receiver import Receiver
 from pipeline.routing import HashRing
@@ -104,8 +104,11 @@ def test_repeated_images_hit_the_cache_of_the_worker_that_encoded_them(cluster):
     for w in workers:  # each worker encoded exactly the images routed to it
         mine = [k for k, b in first_worker.items() if b == w.cfg.bootstrap]
         assert cache_counts(w) == (0, len(mine))
-        cached = {key[1] for key in w.runtime.stages["cache"].hc.cache.keys("arena")}
-        assert cached == {routing_key([images[k]]) for k in mine}  # the worker's own content hash
+        cache = w.runtime.stages["cache"]
+        cached = {key[1] for key in cache.cache.keys("arena")}
+        # the worker's own keyed hash of each image routed to it (not the gateway's routing key)
+        assert cached == {wire.cache_hash(cache.content_key, "image", images[k].grid_thw, "float32",
+                                          images[k].pixels.tobytes()) for k in mine}
 
     # the same images again (new arrays, same content): each to the worker that has it cached
     went = run([[Item("image", *image(500 + k, grid=(1, 4, 4 + 2 * (k % 3))))] for k in range(18)] + [pair])

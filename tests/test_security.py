@@ -508,7 +508,7 @@ def test_intake_hashes_pixels_as_it_reads_them(intake, shm_prefix, monkeypatch):
     name = f"/{shm_prefix}.px.hashed"
     data = write_file(shm.SHM_DIR + name, Item("image", *image(9)).pixels.tobytes())
     (w,) = intake.items(segment_msg(21, name))
-    want = wire.content_hash("image", ((1, 4, 4),), "float32", data)
+    want = wire.cache_hash(intake.stage.content_key, "image", ((1, 4, 4),), "float32", data)
     assert w.pixel_hash == want and bytes(intake.arena.view(w.pixels)) == data
 
     intake.stage.trust_client_hash = True

@@ -90,7 +90,7 @@ def raw_intake_read(prefix: str, nbytes: int, n: int, hashed: bool = False) -> d
     import numpy as np
 
     from ipc import shm
-    from ipc.wire import content_hasher
+    from ipc.wire import cache_hasher, new_cache_key
     from pipeline.client import Client, unlink_segment
     from stages.segments import READ_PIECE
 
@@ -98,6 +98,7 @@ def raw_intake_read(prefix: str, nbytes: int, n: int, hashed: bool = False) -> d
     px = np.random.default_rng(3).standard_normal(nbytes // 4, dtype=np.float32)
     buf = np.ones(nbytes, np.uint8)  # resident: every page touched
     view = memoryview(buf)
+    key = new_cache_key()  # intake hashes under the run's secret key (keyed BLAKE3)
     cpu = wall = 0.0
     done = 0
     names: list[str] = []
@@ -112,12 +113,12 @@ def raw_intake_read(prefix: str, nbytes: int, n: int, hashed: bool = False) -> d
                 os.unlink(path)
                 got = 0
                 if hashed:
-                    h = content_hasher("image", [(1, 1, 1)], "float32")
+                    h = cache_hasher(key, "image", [(1, 1, 1)], "float32")
                     while got < size:
                         k = os.preadv(fd, [view[got:min(size, got + READ_PIECE)]], got)
                         h.update(view[got:got + k])
                         got += k
-                    h.intdigest()
+                    h.digest()
                 else:
                     while got < size:
                         got += os.preadv(fd, [view[got:size]], got)
