@@ -85,7 +85,10 @@ def test_sigkill_of_one_replica_under_a_full_window_fails_only_its_rooms(replica
     load.settle(120)
     failed = {room: reason for room, reason in r.failed.items() if room in load.sent}
     assert failed, "the victim held no room: the window was not full"
-    assert all(f"the {victim} stage died" in reason for reason in failed.values()), failed
+    # Its custody's rooms, and rooms whose rows were in the sender's ring still leased by it
+    # (the supervisor reclaimed the lease before the sender took it over).
+    assert all(f"the {victim} stage died" in reason or f"({victim} died)" in reason
+               for reason in failed.values()), failed
     after = tower_batches(w)
     assert all(after[k] > v for k, v in before.items()), (before, after)  # the others kept serving
     assert w.runtime.restart_counts == {s: int(s == victim) for s in w.runtime.stages}
