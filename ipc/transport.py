@@ -79,9 +79,8 @@ def _load_engine_class():
     except ImportError as e:
         raise TransportError(
             "the Mooncake transfer engine is not installed (import mooncake.engine "
-            f"failed: {e}); run scripts/setup.sh, which installs "
-            "mooncake-transfer-engine-non-cuda (or mooncake-transfer-engine where an "
-            "NVIDIA driver is present)"
+            f"failed: {e}); install the package with the extra for this machine's CUDA: "
+            "[cpu], [cuda12] or [cuda13] (scripts/setup.sh picks it)"
         ) from None
     return TransferEngine
 
