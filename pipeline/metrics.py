@@ -61,6 +61,8 @@ _HISTOGRAMS = {
     "tower_batch_seconds": "epd_tower_batch_seconds",
     "transfer_seconds": "epd_transfer_seconds",
     "room_latency_seconds": "epd_room_latency_seconds",
+    "scheduler_queue_wait_seconds": "epd_scheduler_queue_wait_seconds",
+    "alloc_wait_seconds": "epd_alloc_wait_seconds",
 }
 
 
@@ -161,7 +163,35 @@ _HISTOGRAM_HELP = {
     "epd_tower_batch_seconds": "Tower batch time, from its start to its result being collected",
     "epd_transfer_seconds": "Mooncake write time per receiver shard, from submit to completion",
     "epd_room_latency_seconds": "Room latency from intake to its conclusion (success or failed)",
+    "epd_scheduler_queue_wait_seconds": "Time an item waited at the scheduler, from its arrival there to "
+                                        "its batch going to a tower",
+    "epd_alloc_wait_seconds": "Time from an item's embedding being ready at the sender to its allocs "
+                              "being complete (every shard's alloc arrived)",
 }
+
+
+MOONCAKE_DISTRIBUTIONS = ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda",
+                          "mooncake-transfer-engine-cuda13")
+
+
+def _installed_version(*distributions: str) -> str:
+    from importlib import metadata
+
+    for name in distributions:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return ""
+
+
+def build_versions() -> dict[str, str]:
+    """The labels of epd_build_info but the tower's, read from the installed packages'
+    metadata: nothing is imported (a supervisor has no torch loaded, and must not load it)."""
+    import platform
+
+    return {"version": _installed_version("epd-encode-worker"), "python": platform.python_version(),
+            "torch": _installed_version("torch"), "mooncake": _installed_version(*MOONCAKE_DISTRIBUTIONS)}
 
 
 def _bucket_bounds() -> list[str]:
@@ -176,6 +206,19 @@ class Collector:
     def __init__(self, snapshot: Callable[[], Snapshot]):
         self.snapshot = snapshot
         self.bounds = _bucket_bounds()
+        self.versions = build_versions()
+
+    def _build_info(self, stats: dict):
+        from prometheus_client.core import GaugeMetricFamily
+
+        # The tower's name comes from the first tower stage that has published its stats.
+        tower = next((st["tower_name"] for st in stats.values() if st.get("tower_name")), "")
+        labels = {**self.versions, "tower": tower}
+        fam = GaugeMetricFamily("epd_build_info", "Always 1; the labels tell workers apart: the worker's "
+                                "version, Python's, torch's and Mooncake's (\"\" when not installed), and "
+                                "the vision tower", labels=list(labels))
+        fam.add_metric(list(labels.values()), 1)
+        return fam
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -215,15 +258,21 @@ class Collector:
                 fam.add_metric([stage], row["restarts"])
             yield fam
 
-        used = GaugeMetricFamily("epd_arena_bytes_used", "Bytes leased in a shared-memory arena "
-                                 "(pixels: requests' pixels; embeddings: rows in flight and the cache's arena tier)",
-                                 labels=["tier"])
+        used_text = ("Bytes leased in a shared-memory arena (pixels: requests' pixels; embeddings: rows in "
+                     "flight and the cache's arena tier)")
+        used = GaugeMetricFamily("epd_arena_used_bytes", used_text, labels=["tier"])
+        # The name before the unit went last; exported one more release so dashboards can move.
+        old_used = GaugeMetricFamily("epd_arena_bytes_used", "DEPRECATED: use epd_arena_used_bytes (removed in "
+                                     "the next release). " + used_text, labels=["tier"])
         size = GaugeMetricFamily("epd_arena_bytes", "Size of a shared-memory arena", labels=["tier"])
         for tier, (n_used, n_size) in s.arenas.items():
             used.add_metric([tier], n_used)
+            old_used.add_metric([tier], n_used)
             size.add_metric([tier], n_size)
         yield used
+        yield old_used
         yield size
+        yield self._build_info(s.stats)
 
         cache = s.stats.get(CACHE, {}).get("cache")
         if cache:

@@ -35,6 +35,7 @@ class Entry:
     item: int
     tokens: int  # what it costs of a batch's token budget
     payload: object = field(default=None, compare=False)
+    arrived: float = field(default=0.0, compare=False)  # time.monotonic() when it joined the queue
 
 
 Reserve = Callable[[list[Entry]], bool]

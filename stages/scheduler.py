@@ -7,9 +7,11 @@ so output memory stays bounded.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 from ipc.arena import ArenaFull, Lease, StaleLease
+from ipc.stats import Histogram
 from stages import registry
 from stages.base import POLL_S, Stage
 from stages.batch_queue import BatchQueue, Entry
@@ -45,6 +47,7 @@ class SchedulerStage(Stage):
         self.reserved: dict[tuple[int, int], Lease] = {}  # (room, item) -> output space, for the batch at hand
         self.short_of = 0  # bytes the batch at the head could not reserve
         self.wanted_at = float("-inf")
+        self.queue_wait = Histogram()  # an item's arrival here to its batch leaving for a tower
 
     def handle(self, source: str, rec) -> None:
         match rec:
@@ -83,6 +86,8 @@ class SchedulerStage(Stage):
             self.credits[k] -= 1
             items = tuple(replace(e.payload, out=self.reserved.pop((e.room, e.item))) for e in batch)
             self.emit(self.towers[k], Batch(items))
+            for e in batch:
+                self.queue_wait.observe(max(0.0, now - e.arrived))
             for w in items:
                 self.custody.release(w.slot, w.room)
         if self.short_of and now - self.wanted_at >= SPACE_WANTED_EVERY_S:
@@ -97,7 +102,8 @@ class SchedulerStage(Stage):
         return POLL_S if self.short_of else None
 
     def stats(self) -> dict:
-        return {"scheduler_pending": len(self.queue), "scheduler_pending_tokens": self.queue.pending_tokens()}
+        return {"scheduler_pending": len(self.queue), "scheduler_pending_tokens": self.queue.pending_tokens(),
+                "scheduler_queue_wait_seconds": self.queue_wait.snapshot()}
 
     def _item(self, w: WorkItem) -> None:
         self.custody.hold(w.slot, w.room)
@@ -107,7 +113,7 @@ class SchedulerStage(Stage):
             self.emit(registry.REAPER, RoomFailure(w.slot, w.room, "pixels were lost before scheduling (cache died)"))
             self.custody.release(w.slot, w.room)
             return
-        self.queue.add(Entry(w.seq, w.room, w.item, w.span, w))
+        self.queue.add(Entry(w.seq, w.room, w.item, w.span, w, arrived=time.monotonic()))
 
     def _reserve(self, batch: list[Entry]) -> bool:
         """Output space for each item of `batch`, or none and False (`short_of` says how much)."""

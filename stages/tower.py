@@ -145,7 +145,7 @@ class TowerStage(Stage):
 
     def stats(self) -> dict:
         return {"tower_batches": self.batches, "tower_items": self.items, "tower_rows": self.rows,
-                "tower_batch_seconds": self.batch_seconds.snapshot()}
+                "tower_batch_seconds": self.batch_seconds.snapshot(), "tower_name": self.tower.spec.name}
 
     def _release_leases(self, w: WorkItem) -> None:
         for arena, lease in ((self.pixel_arena, w.pixels), (self.emb_arena, w.out)):

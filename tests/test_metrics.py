@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import itertools
 import os
+import platform
 import random
+import subprocess
+import sys
 import signal
 import socket
 import time
@@ -129,6 +132,13 @@ def test_counters_equal_what_was_sent(started):
     assert value(m, "epd_room_latency_seconds_sum") > 0
     assert value(m, "epd_rooms_live") == 0
     assert value(m, "epd_arena_bytes", tier="pixels") == w.cfg.pixel_arena_bytes
+    for tier in ("pixels", "embeddings"):  # the deprecated name reads the same for one release
+        assert value(m, "epd_arena_used_bytes", tier=tier) == value(m, "epd_arena_bytes_used", tier=tier)
+    # every item the tower encoded waited at the scheduler once
+    assert value(m, "epd_scheduler_queue_wait_seconds_count") == value(m, "epd_tower_items_total")
+    info = [dict(labels) for (n, labels), v in m.items() if n == "epd_build_info" and v == 1]
+    assert len(info) == 1 and info[0]["python"] == platform.python_version(), info
+    assert info[0]["tower"] == w.spec.name and info[0]["torch"] and info[0]["version"], info
     assert 0 < value(m, "epd_cache_bytes", tier="arena") <= w.cfg.arena_cache_bytes
     assert value(m, "epd_cache_entries", tier="arena") == 6
     for stage in ("intake", "cache", "scheduler", "tower", "sender", "reaper"):
@@ -249,3 +259,14 @@ def test_totals_of_a_dead_stage_are_carried():
         t.seen("reaper", {"rooms_concluded": {("success", "none"): 1}})  # the successor's
         assert t.total().counters[("epd_rooms_total", ("success", "none"))] == 5
     assert totals_of({}).counters == {}
+
+
+def test_build_versions_import_nothing():
+    """The supervisor has no torch loaded: epd_build_info's versions come from package metadata."""
+    code = ("import sys; from pipeline.metrics import build_versions; v = build_versions(); "
+            "assert 'torch' not in sys.modules and 'mooncake' not in sys.modules, sorted(sys.modules); "
+            "print(v)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr
+    assert "'python'" in out.stdout and "'torch'" in out.stdout
