@@ -15,8 +15,11 @@ import difflib
 import json
 import logging
 import os
+import re
+import time
 import tomllib
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from ipc import shm
 from stages import registry
@@ -25,6 +28,7 @@ from stages.towers import TOWER_SETTINGS, TOWERS, SettingError
 
 ENV_PREFIX = "EPD_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_FORMATS = ("text", "json")
 
 
 class ConfigError(ValueError):
@@ -37,6 +41,29 @@ class ConfigError(ValueError):
 
 def setting(default, help: str):
     return field(default=default, metadata={"help": help})
+
+
+SIZE_FORMS = "bytes (536870912) or a number and a unit: 512MiB, 1GiB, 64KiB (B, KiB, MiB, GiB, TiB; kB, MB, GB, TB)"
+SIZE_UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+              "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*")
+
+
+def size_setting(default: int, help: str):
+    """A setting of bytes: a flag, variable or file may give it with a unit (`parse_size`)."""
+    return field(default=default, metadata={"help": help + " (a size: 512MiB, 1GiB or bytes)", "size": True})
+
+
+def parse_size(text: str) -> int:
+    """`text` as bytes: a plain integer, or a number and a unit of SIZE_UNITS (case aside),
+    `512MiB`, `1.5GiB`; ValueError, naming the accepted forms, for anything else."""
+    m = _SIZE.fullmatch(text.lower())
+    if not m or m[2] not in ("", *SIZE_UNITS):
+        raise ValueError(f"expected a size, {SIZE_FORMS}; got {text!r}")
+    number = Fraction(m[1]) * SIZE_UNITS.get(m[2], 1)
+    if number.denominator != 1:
+        raise ValueError(f"expected a whole number of bytes, got {text!r} ({float(number):g} bytes)")
+    return int(number)
 
 
 def tower_setting(key: str):
@@ -73,14 +100,14 @@ class WorkerConfig:
     sim_time_per_row_s: float = tower_setting("sim_time_per_row_s")
     sim_fail_batches: int = tower_setting("sim_fail_batches")
     max_items_per_request: int = setting(64, "a request with more items fails at intake")
-    max_pixel_bytes_per_request: int = setting(256 << 20, "a request with more pixel bytes fails at intake")
+    max_pixel_bytes_per_request: int = size_setting(256 << 20, "a request with more pixel bytes fails at intake")
     max_tokens_per_batch: int = setting(4096, "scheduler: output rows per tower batch at most")
     max_items_per_batch: int = setting(16, "scheduler: items per tower batch at most")
-    pixel_arena_bytes: int = setting(512 << 20, "shared memory for pixels between intake and the tower")
-    embedding_arena_bytes: int = setting(512 << 20, "shared memory for embeddings, registered with Mooncake")
-    arena_cache_bytes: int = setting(128 << 20, "the ship-ready cache tier, inside the embedding arena "
-                                                "(at most half of it)")
-    host_cache_bytes: int = setting(1 << 30, "the host-DRAM cache tier")
+    pixel_arena_bytes: int = size_setting(512 << 20, "shared memory for pixels between intake and the tower")
+    embedding_arena_bytes: int = size_setting(512 << 20, "shared memory for embeddings, registered with Mooncake")
+    arena_cache_bytes: int = size_setting(128 << 20, "the ship-ready cache tier, inside the embedding arena "
+                                                     "(at most half of it)")
+    host_cache_bytes: int = size_setting(1 << 30, "the host-DRAM cache tier")
     trust_client_hash: bool = setting(False, "use the client's content hash instead of hashing the pixels")
     cache_key_file: str = setting("", "a file of the key pixels are hashed under for the cache (32 bytes, or 64 "
                                       "hex digits; not readable by every user), to share one key among "
@@ -91,7 +118,7 @@ class WorkerConfig:
     max_live_rooms: int = setting(4096, "rooms in flight at most; more fail at intake")
     max_held_allocs: int = setting(65536, "allocs held for rooms the sender has not seen yet, at most")
     status_hwm: int = setting(10000, "statuses queued per receiver before further ones are dropped")
-    ring_bytes: int = setting(8 << 20, "pipeline: size of each ring between two stages")
+    ring_bytes: int = size_setting(8 << 20, "pipeline: size of each ring between two stages")
     heartbeat_timeout_s: float = setting(30.0, "pipeline: a stage silent this long is killed and restarted")
     restart_limit: int = setting(5, "pipeline: more than this many restarts within restart_window_s "
                                     "end the run")
@@ -109,6 +136,9 @@ class WorkerConfig:
                             "(default: gpu, gpu+1, ...)")
     log_level: str = setting("WARNING", "DEBUG, INFO, WARNING or ERROR, for the supervisor and every "
                                         "stage process")
+    log_format: str = setting("text", "text (one line per event) or json (one JSON object per line: time, "
+                                      "level, stage, pid, logger, message), for the supervisor and every "
+                                      "stage process")
 
     def resolved(self) -> "WorkerConfig":
         c = dataclasses.replace(self)
@@ -176,6 +206,9 @@ class WorkerConfig:
             self.tower_settings()
         except SettingError as e:
             raise ConfigError(str(e), e.key) from None
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}",
+                              "log_format")
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}",
                               "log_level")
@@ -246,6 +279,11 @@ def _unknown(name: str, known: list[str]) -> str:
 def _typed(key: str, value, where: str, from_text: bool):
     """`value` as the field's type; `from_text`: parse a string (an environment variable)."""
     kind = FIELDS[key].type
+    if FIELDS[key].metadata.get("size") and isinstance(value, str):  # "512MiB" in a file too
+        try:
+            return parse_size(value)
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}", key) from None
     if from_text and isinstance(value, str) and kind != "str":
         text = value.strip()
         try:
@@ -358,10 +396,20 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         if f.type == "bool":
             group.add_argument(flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
                                default=None, help=text)
+        elif f.metadata.get("size"):
+            group.add_argument(flag_name(f.name), dest=f.name, type=_size_flag, default=None,
+                               metavar="SIZE", help=text)
         else:
             conv, metavar = {"int": (int, "N"), "float": (float, "X"), "str": (str, "TEXT")}[f.type]
             group.add_argument(flag_name(f.name), dest=f.name, type=conv, default=None,
                                metavar=metavar, help=text)
+
+
+def _size_flag(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:  # argparse names the flag: "argument --ring-bytes: expected a size, ..."
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def flags_given(args: argparse.Namespace) -> dict:
@@ -370,11 +418,29 @@ def flags_given(args: argparse.Namespace) -> dict:
 
 
 # ---------------------------------------------------------------- logging
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per line: time (UTC, ISO 8601), level, stage (the role), pid,
+    logger, message, and the traceback as `exception` when there is one."""
+
+    def __init__(self, role: str):
+        super().__init__()
+        self.role = role
+
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        line = {"time": f"{stamp}.{int(record.msecs):03d}Z", "level": record.levelname, "stage": self.role,
+                "pid": record.process, "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
 def setup_logging(cfg: WorkerConfig, role: str) -> None:
     """This process's logging: one line per event on stderr, with time, level, role (a
-    stage's name, "supervisor" or "worker"), pid, logger and message; level from cfg."""
+    stage's name, "supervisor" or "worker"), pid, logger and message; level and format
+    (text, or one JSON object per line) from cfg."""
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(
+    handler.setFormatter(JsonLogFormatter(role) if cfg.log_format == "json" else logging.Formatter(
         f"%(asctime)s %(levelname)s {role}[%(process)d] %(name)s: %(message)s"))
     root = logging.getLogger()
     for old in root.handlers[:]:

@@ -2,6 +2,7 @@
 every error names the key and where the bad value came from."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -10,8 +11,8 @@ import tomllib
 
 import pytest
 
-from pipeline.config import (FIELDS, ConfigError, WorkerConfig, format_config, load_config, parse_numa,
-                             setup_logging)
+from pipeline.config import (FIELDS, SIZE_FORMS, ConfigError, WorkerConfig, add_flags, flags_given,
+                             format_config, load_config, parse_numa, parse_size, setup_logging)
 
 
 def write(tmp_path, text: str) -> str:
@@ -60,8 +61,11 @@ def test_environment_values_are_parsed_by_type():
 
 
 @pytest.mark.parametrize("name, value, expected", [
-    ("EPD_RING_BYTES", "x", "EPD_RING_BYTES: expected an integer, got 'x'"),
-    ("EPD_RING_BYTES", "1.5", "EPD_RING_BYTES: expected an integer, got '1.5'"),
+    ("EPD_MAX_LIVE_ROOMS", "x", "EPD_MAX_LIVE_ROOMS: expected an integer, got 'x'"),
+    ("EPD_MAX_LIVE_ROOMS", "1.5", "EPD_MAX_LIVE_ROOMS: expected an integer, got '1.5'"),
+    ("EPD_RING_BYTES", "x", f"EPD_RING_BYTES: expected a size, {SIZE_FORMS}; got 'x'"),
+    ("EPD_RING_BYTES", "1.5", "EPD_RING_BYTES: expected a whole number of bytes, got '1.5' (1.5 bytes)"),
+    ("EPD_RING_BYTES", "8 MeB", f"EPD_RING_BYTES: expected a size, {SIZE_FORMS}; got '8 MeB'"),
     ("EPD_DRAIN_TIMEOUT_S", "soon", "EPD_DRAIN_TIMEOUT_S: expected a number, got 'soon'"),
     ("EPD_TRUST_CLIENT_HASH", "maybe", "EPD_TRUST_CLIENT_HASH: expected true or false, got 'maybe'"),
 ])
@@ -80,7 +84,8 @@ def test_unknown_environment_variable_is_an_error():
 
 
 @pytest.mark.parametrize("line, expected", [
-    ('ring_bytes = "x"', "ring_bytes: expected an integer, got 'x'"),
+    ('ring_bytes = "x"', f"ring_bytes: expected a size, {SIZE_FORMS}; got 'x'"),
+    ('max_live_rooms = "x"', "max_live_rooms: expected an integer, got 'x'"),
     ("ring_bytes = 1.5", "ring_bytes: expected an integer, got 1.5"),
     ("ring_bytes = true", "ring_bytes: expected an integer, got True"),
     ("tower = 3", "tower: expected a string, got 3"),
@@ -203,3 +208,80 @@ def test_setup_logging_format_and_level(root_logger, capsys):
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO sender\[\d+\] epd\.test: "
                         r"room failed: room=7 request_id=r-7", lines[0])
     assert re.fullmatch(r"\S+ \S+ ERROR supervisor\[\d+\] epd\.test: shown", lines[1])
+
+
+def test_setup_logging_json_one_object_per_line(root_logger, capsys):
+    setup_logging(WorkerConfig(log_level="INFO", log_format="json"), "sender")
+    log = logging.getLogger("epd.test")
+    log.info("room failed: room=%d reason=%s", 7, 'a "quoted"\nreason')
+    log.debug("not shown")
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        log.exception("a stage raised")
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2, lines  # the message's newline and the traceback stay inside the object
+    first, second = (json.loads(line) for line in lines)
+    assert set(first) == {"time", "level", "stage", "pid", "logger", "message"}
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", first["time"])
+    assert (first["level"], first["stage"], first["logger"]) == ("INFO", "sender", "epd.test")
+    assert first["message"] == 'room failed: room=7 reason=a "quoted"\nreason'
+    assert isinstance(first["pid"], int) and first["pid"] > 0
+    assert second["level"] == "ERROR" and "RuntimeError: boom" in second["exception"]
+
+
+def test_log_format_is_validated():
+    with pytest.raises(ConfigError, match="log_format must be one of text, json, got 'xml'") as e:
+        load_config(environ={"EPD_LOG_FORMAT": "xml"})
+    assert e.value.key == "log_format" and "(set by EPD_LOG_FORMAT)" in str(e.value)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("536870912", 512 << 20), ("512MiB", 512 << 20), ("1GiB", 1 << 30), ("64KiB", 64 << 10),
+    ("1.5GiB", 3 << 29), ("2 mib", 2 << 20), ("100B", 100), ("1MB", 10 ** 6), ("0", 0),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "x", "-1", "1.5", "0.3KiB", "12XB", "1e6", "MiB", "1 GiB 2"])
+def test_parse_size_refuses_naming_the_forms(text):
+    with pytest.raises(ValueError, match="expected a"):
+        parse_size(text)
+
+
+def test_sizes_with_units_in_file_environment_and_flags(tmp_path):
+    path = write(tmp_path, 'pixel_arena_bytes = "1GiB"\nembedding_arena_bytes = 268435456\n'
+                           'host_cache_bytes = "2GiB"\n')
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    flags = flags_given(parser.parse_args(["--ring-bytes", "16MiB", "--max-pixel-bytes-per-request", "64MiB"]))
+    cfg, sources = load_config(path, flags, environ={"EPD_ARENA_CACHE_BYTES": "64MiB",
+                                                     "EPD_HOST_CACHE_BYTES": "512 MiB"})
+    assert (cfg.pixel_arena_bytes, cfg.embedding_arena_bytes) == (1 << 30, 256 << 20)
+    assert (cfg.arena_cache_bytes, cfg.host_cache_bytes) == (64 << 20, 512 << 20)
+    assert (cfg.ring_bytes, cfg.max_pixel_bytes_per_request) == (16 << 20, 64 << 20)
+    assert sources["pixel_arena_bytes"] == path and sources["host_cache_bytes"] == "EPD_HOST_CACHE_BYTES"
+    assert sources["ring_bytes"] == "--ring-bytes"
+    # `config` shows bytes and the source, as TOML that loads back
+    shown = format_config(cfg, sources)
+    assert re.search(r"^pixel_arena_bytes = 1073741824 +# " + re.escape(path) + "$", shown, re.M), shown
+    assert re.search(r"^ring_bytes = 16777216 +# --ring-bytes$", shown, re.M), shown
+    again = write(tmp_path, "\n".join(line.split("  #")[0] for line in shown.splitlines()) + "\n")
+    assert load_config(again, environ={})[0] == cfg
+
+
+def test_a_bad_size_names_the_key_the_source_and_the_forms(tmp_path, capsys):
+    path = write(tmp_path, 'ring_bytes = "16 MeB"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(path, environ={})
+    assert str(e.value) == f"{path}: ring_bytes: expected a size, {SIZE_FORMS}; got '16 MeB'"
+    assert e.value.key == "ring_bytes"
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--ring-bytes", "lots"])
+    err = capsys.readouterr().err
+    assert "argument --ring-bytes: expected a size" in err and "512MiB" in err, err
+    with pytest.raises(ConfigError, match=r"ring_bytes must be >= 1, got 0 \(set by EPD_RING_BYTES\)"):
+        load_config(environ={"EPD_RING_BYTES": "0MiB"})
