@@ -24,7 +24,9 @@ of the registration it replaces (a receiver registering again) freed. So:
   a row that never agrees is damage, skipped (and the writer frees it).
 
 Bounded: ``MAX_RECEIVERS`` registrations, plus the one spare slot a replacement is
-written into before its predecessor is freed.
+written into before its predecessor is freed. The writer frees a registration that
+expired or gave way to a new one (``remove``); which one goes is the writer's choice
+(stages/sender.py), not the table's.
 """
 from __future__ import annotations
 
@@ -151,3 +153,14 @@ class ReceiverTable(SlotTable):
         if old is not None:
             self._genv[old] = 0
         self._slot_of[receiver] = slot
+
+    def remove(self, receiver: str) -> bool:
+        """Free `receiver`'s registration (expired, or giving way); whether it was there.
+        Writer only. One aligned store: a reader sees the registration whole, or not at all."""
+        if self._slot_of is None:
+            self.load()
+        slot = self._slot_of.pop(receiver, None)
+        if slot is None:
+            return False
+        self._genv[slot] = 0
+        return True

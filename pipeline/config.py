@@ -118,6 +118,16 @@ class WorkerConfig:
     max_live_rooms: int = setting(4096, "rooms in flight at most; more fail at intake")
     max_held_allocs: int = setting(65536, "allocs held for rooms the sender has not seen yet, at most")
     status_hwm: int = setting(10000, "statuses queued per receiver before further ones are dropped")
+    max_status_sockets: int = setting(256, "status sockets the reaper keeps open at most (each costs about 2 "
+                                           "open files); the least recently used idle one is closed first")
+    status_socket_idle_s: float = setting(60.0, "a status socket unused this long is closed (opened again "
+                                                "for the next status)")
+    registration_idle_s: float = setting(3600.0, "a receiver registration that owns no room in flight and "
+                                                 "sent nothing this long expires (the receiver registers "
+                                                 "again); when the table is full, the least recently heard "
+                                                 "from of those gives way at once")
+    max_deadline_s: float = setting(3600.0, "a request's deadline_ms is capped at this many seconds after it "
+                                            "arrives (the room fails then, saying so)")
     ring_bytes: int = size_setting(8 << 20, "pipeline: size of each ring between two stages")
     heartbeat_timeout_s: float = setting(30.0, "pipeline: a stage silent this long is killed and restarted")
     restart_limit: int = setting(5, "pipeline: more than this many restarts within restart_window_s "
@@ -166,6 +176,7 @@ class WorkerConfig:
             "max_items_per_request", "max_pixel_bytes_per_request", "max_tokens_per_batch",
             "max_items_per_batch", "pixel_arena_bytes", "embedding_arena_bytes",
             "max_tombstones", "max_live_rooms", "max_held_allocs", "status_hwm", "ring_bytes",
+            "max_status_sockets",
             "restart_limit",
         ]
         for name in positive:
@@ -182,7 +193,8 @@ class WorkerConfig:
             raise ConfigError(f"gpus must list {self.tower_replicas} CUDA device numbers (one per tower "
                               f"replica, tower_replicas), got {self.gpus!r}", "gpus")
         for name in ["bootstrap_timeout_s", "tombstone_ttl_s", "heartbeat_timeout_s",
-                     "restart_window_s", "start_timeout_s"]:
+                     "restart_window_s", "start_timeout_s", "status_socket_idle_s", "registration_idle_s",
+                     "max_deadline_s"]:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}", name)
         for name in ["arena_cache_bytes", "host_cache_bytes", "drain_timeout_s"]:

@@ -56,7 +56,7 @@ class ReaperStage(Stage):
 
     def __init__(self, emit, *, rooms: RoomTable, told: ToldTable, receivers: ReceiverTable, pusher: StatusPusher,
                  tombstone_ttl_s: float, max_tombstones: int, bootstrap_timeout_s: float,
-                 heartbeat_timeout_s: float, custody=None):
+                 heartbeat_timeout_s: float, max_deadline_s: float = 3600.0, custody=None):
         super().__init__(emit, custody)
         self.rooms = rooms
         self.told = told
@@ -66,9 +66,11 @@ class ReaperStage(Stage):
         self.max_tombstones = max_tombstones
         self.bootstrap_timeout_s = bootstrap_timeout_s
         self.restart_margin_s = heartbeat_timeout_s + RESTART_MARGIN_S
+        self.max_deadline_s = max_deadline_s
         self.allocated: dict[int, set[str]] = {}  # receivers known to have allocated for a room
         self.reasons: dict[int, str] = {}        # failed rooms awaiting their fence
         self.deadlines: list[tuple[float, int, int]] = []  # a heap of (deadline, slot, room)
+        self._prune_at = 64
         self.tombstones: OrderedDict[int, tuple[float, int]] = OrderedDict()  # room -> (concluded, slot)
         self.registrations: dict = {}
         self.sender_died_at = float("-inf")
@@ -87,7 +89,7 @@ class ReaperStage(Stage):
             in_table.add(e.room)
             if e.state < RoomState.SUCCESS:
                 if e.deadline:
-                    heapq.heappush(self.deadlines, (e.deadline, e.slot, e.room))
+                    heapq.heappush(self.deadlines, (self.deadline_of(e.deadline, e.created), e.slot, e.room))
             else:
                 self.tombstones[e.room] = (e.concluded, e.slot)
         for room, told_at in self.told.rooms().items():
@@ -136,15 +138,36 @@ class ReaperStage(Stage):
             self._watch_at = now + WATCH_EVERY_S
             self._watch(now)
         while self.deadlines and self.deadlines[0][0] <= now:
-            _, slot, room = heapq.heappop(self.deadlines)
+            deadline, slot, room = heapq.heappop(self.deadlines)
             entry = self.rooms.get(slot)
             if entry is not None and entry.room == room and entry.state < RoomState.SUCCESS:
-                self._fail(RoomFailure(slot, room, "deadline exceeded (deadline_ms)"))
+                capped = deadline < entry.deadline
+                self._fail(RoomFailure(slot, room, f"deadline exceeded (deadline_ms, capped at max_deadline_s "
+                                                   f"{self.max_deadline_s:g} s)" if capped else
+                                                   "deadline exceeded (deadline_ms)"))
         self._expire_tombstones(now)
+        self.pusher.tick()
 
     def next_tick_in(self, now: float) -> float | None:
         due = min(self.deadlines[0][0], self._watch_at) if self.deadlines else self._watch_at
+        if self.pusher.n_waiting:  # statuses wait for a socket: one frees within its linger
+            due = min(due, now + 0.05)
         return max(0.0, due - now)
+
+    def deadline_of(self, deadline: float, created: float) -> float:
+        """A room's deadline, capped at max_deadline_s after it arrived: a peer's deadline_ms
+        (up to 1e9 ms) must not keep the room, nor its entry in the heap, for days."""
+        return min(deadline, created + self.max_deadline_s)
+
+    def _prune_deadlines(self) -> None:
+        """Drop the heap's entries of rooms that concluded before their deadline: rooms
+        conclude far faster than their deadlines, and the heap would grow with the
+        request rate times the deadline. Each time it has doubled: amortised, one scan
+        of the table per entry pushed."""
+        live = {e.room for e in self._live_entries()}
+        self.deadlines = [d for d in self.deadlines if d[2] in live]
+        heapq.heapify(self.deadlines)
+        self._prune_at = max(64, 2 * len(self.deadlines))
 
     def pushed(self) -> None:
         """Conclude in the room table the rooms _fail() fenced, now that its orders are out."""
@@ -154,8 +177,8 @@ class ReaperStage(Stage):
                 self._concluded(room, slot, "failed", reason)
 
     def stats(self) -> dict:
-        return {"rooms": dict(self.outcomes), "status_undelivered": self.pusher.undelivered,
-                "status_unrecorded": self.unrecorded,
+        return {"rooms": dict(self.outcomes), **self.pusher.stats(),
+                "status_unrecorded": self.unrecorded, "deadline_heap": len(self.deadlines),
                 "rooms_concluded": dict(self.concluded_by_reason), "room_latency_seconds": self.latency.snapshot()}
 
     def close(self) -> None:
@@ -167,7 +190,11 @@ class ReaperStage(Stage):
         # about the room again.
         self.tombstones.pop(o.room, None)  # only an unknown room's can be there
         if o.deadline:
-            heapq.heappush(self.deadlines, (o.deadline, o.slot, o.room))
+            entry = self.rooms.get(o.slot)
+            created = entry.created if entry is not None and entry.room == o.room else time.monotonic()
+            heapq.heappush(self.deadlines, (self.deadline_of(o.deadline, created), o.slot, o.room))
+            if len(self.deadlines) >= self._prune_at:
+                self._prune_deadlines()
 
     def _on_rooms_lost(self, lost: RoomsLost) -> None:
         writes_gone = lost.died == registry.SENDER
@@ -186,11 +213,19 @@ class ReaperStage(Stage):
     def _registered(self, reg: Register) -> None:
         self.registrations[reg.receiver] = reg
         self.pusher.register(reg.receiver, reg.status)
+        if len(self.registrations) > self.receivers.capacity:
+            # The sender frees registrations (expired, or given way) without a record:
+            # the shared table says which are left.
+            self._reload_registrations()
 
     def _reload_registrations(self) -> dict:
         registered = self.receivers.load()
+        for receiver in [r for r in self.registrations if r not in registered]:
+            del self.registrations[receiver]
+            self.pusher.forget(receiver)
         for receiver, (session, status) in registered.items():
-            self._registered(Register(receiver, session, status))
+            self.registrations[receiver] = Register(receiver, session, status)
+            self.pusher.register(receiver, status)
         return registered
 
     def _tell_success(self, room: int, item: int, receiver: str) -> None:
@@ -291,12 +326,17 @@ class ReaperStage(Stage):
 
     # ------------------------------------------------------------ time
     def _expire_tombstones(self, now: float) -> None:
-        while self.tombstones:
+        passed_over = 0  # each room waiting for its fence goes to the back once per call
+        while self.tombstones and passed_over < len(self.tombstones):
             room, (t, slot) = next(iter(self.tombstones.items()))
             if t > now - self.tombstone_ttl_s and len(self.tombstones) <= self.max_tombstones:
                 break
-            if room in self.reasons:  # still waiting for its fence
-                break
+            if room in self.reasons:
+                # Still waiting for its fence: kept, and passed over, so that the rooms
+                # behind it still expire (they stalled behind it, and the table filled).
+                self.tombstones.move_to_end(room)
+                passed_over += 1
+                continue
             self.tombstones.popitem(last=False)
             if slot is not None:
                 self.rooms.free(slot, room)
@@ -308,7 +348,8 @@ class ReaperStage(Stage):
     def bound_of(self, entry) -> float:
         """When a room must have concluded, whatever died: its deadline or the bootstrap
         timeout, whichever is later, plus the time to find and restart a dead stage."""
-        return max(entry.deadline, entry.created + self.bootstrap_timeout_s) + self.restart_margin_s
+        deadline = self.deadline_of(entry.deadline, entry.created) if entry.deadline else 0.0
+        return max(deadline, entry.created + self.bootstrap_timeout_s) + self.restart_margin_s
 
     def _watch(self, now: float) -> None:
         """Fail every live room past its bound: a record lost with a dead stage (or never
@@ -374,7 +415,7 @@ class ReaperStage(Stage):
 def build(env, name, emit, custody) -> ReaperStage:
     cfg, sh = env.cfg, env.shared
     return ReaperStage(emit, rooms=sh.rooms, told=sh.told, receivers=sh.receivers,
-                       pusher=StatusPusher(env.zmq_context, cfg.status_hwm),
+                       pusher=StatusPusher(cfg.status_hwm, cfg.max_status_sockets, cfg.status_socket_idle_s),
                        tombstone_ttl_s=cfg.tombstone_ttl_s, max_tombstones=cfg.max_tombstones,
                        bootstrap_timeout_s=cfg.bootstrap_timeout_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-                       custody=custody)
+                       max_deadline_s=cfg.max_deadline_s, custody=custody)

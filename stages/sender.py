@@ -77,7 +77,8 @@ class SenderStage(Stage):
 
     def __init__(self, emit, custody=None, *, arena: Arena, engine, rooms: RoomTable,
                  registrations: ReceiverTable, held: HeldAllocs, hidden: int, dtype: str, deepstack_width: int,
-                 bootstrap_timeout_s: float, max_held_allocs: int, endpoint: str = ""):
+                 bootstrap_timeout_s: float, max_held_allocs: int, endpoint: str = "",
+                 registration_idle_s: float = 3600.0, max_receivers: int = MAX_RECEIVERS):
         super().__init__(emit, custody)
         self.arena = arena
         self.engine = engine
@@ -88,7 +89,15 @@ class SenderStage(Stage):
         self.bootstrap_timeout_s = bootstrap_timeout_s
         self.max_held_allocs = max_held_allocs
         self.endpoint = endpoint
-        self.receivers: dict[str, Register] = {}
+        # Registrations, least recently heard from first; those that own no live room (nor
+        # held alloc) expire after registration_idle_s, and give way when the table is full.
+        self.receivers: OrderedDict[str, Register] = OrderedDict()
+        self.heard_at: dict[str, float] = {}
+        self.engaged = Counter()  # receiver -> its rooms in flight here and allocs held
+        self.registration_idle_s = registration_idle_s
+        self.max_receivers = max_receivers
+        self.receivers_expired = 0
+        self.receivers_evicted = 0
         self.live: dict[int, _RoomTx] = {}
         # Allocs for rooms not opened here yet: (since, alloc, slot in the shared held table).
         self.held_table = held
@@ -111,10 +120,13 @@ class SenderStage(Stage):
     def start(self) -> None:
         """A predecessor's registrations and held allocs, if there was one: they outlive it
         (and the reaper) in shared memory."""
-        self.receivers = {rx: Register(rx, session, status)
-                          for rx, (session, status) in self.registrations.load().items()}
+        now = time.monotonic()  # how recently a predecessor heard from them died with it
+        for rx, (session, status) in self.registrations.load().items():
+            self.receivers[rx] = Register(rx, session, status)
+            self.heard_at[rx] = now
         for slot, since, a in self.held_table.load():
             self.held.setdefault(a.room, []).append((since, a, slot))
+            self.engaged[a.receiver] += 1
         self.n_held = len(self.held_table)
 
     def socket(self) -> tuple[str, int] | None:
@@ -149,6 +161,7 @@ class SenderStage(Stage):
         if now - self._timeouts_at >= 0.05:
             self._timeouts_at = now
             self._timeouts(now)
+            self._expire_registrations(now)
 
     def next_tick_in(self, now: float) -> float | None:
         # Writes complete in Mooncake's threads: poll them, yielding the core meanwhile.
@@ -160,6 +173,8 @@ class SenderStage(Stage):
         return {"sender_dropped": dict(self.dropped), "bytes_written": self.bytes_written,
                 "sender_live_rooms": len(self.live), "sender_held_allocs": self.n_held,
                 "sender_early_items": sum(len(v) for v in self.early.values()),
+                "receivers_registered": len(self.receivers), "receivers_expired": self.receivers_expired,
+                "receivers_evicted": self.receivers_evicted,
                 "transfer_seconds": self.transfer_seconds.snapshot(), "transfer_failures": self.transfer_failures}
 
     # ------------------------------------------------------------ inputs
@@ -172,23 +187,73 @@ class SenderStage(Stage):
             self._drop(f"bootstrap message: {e}")
             return
         if isinstance(m, Register):
-            if m.receiver not in self.receivers and len(self.receivers) >= MAX_RECEIVERS:
-                # Each receiver costs a status socket in the reaper: anyone who reaches
-                # the bootstrap socket must not be able to grow that without end.
-                self._drop(f"register: {MAX_RECEIVERS} receivers are registered already")
-                return
-            # In shared memory before anyone hears of it, so a restarted sender or reaper
-            # knows every receiver that may send an alloc or wait for a status.
-            self.registrations.put(m.receiver, m.session, m.status)
-            self.receivers[m.receiver] = m
-            self.emit(registry.REAPER, Registered(m))
-        elif m.receiver not in self.receivers:
+            self._on_register(m, now)
+            return
+        if m.receiver not in self.receivers:
             self._drop(f"{type(m).__name__.lower()} from unregistered receiver")
-        elif isinstance(m, Cancel):
+            return
+        self._heard(m.receiver, now)
+        if isinstance(m, Cancel):
             self._on_cancel(m)
         else:
             m.session_hash = self.receivers[m.receiver].session_hash
             self._on_alloc(m, now)
+
+    def _on_register(self, m: Register, now: float) -> None:
+        if m.receiver not in self.receivers and len(self.receivers) >= self.max_receivers:
+            # Anyone who reaches the bootstrap socket can register: the table is bounded,
+            # and the registration heard from least recently that owns nothing gives way.
+            idle = next((rx for rx in self.receivers if not self.engaged[rx]), None)
+            if idle is None:
+                self._drop(f"register: {self.max_receivers} receivers are registered already, "
+                           f"each with a room in flight")
+                return
+            self._unregister(idle)
+            self.receivers_evicted += 1
+        # In shared memory before anyone hears of it, so a restarted sender or reaper
+        # knows every receiver that may send an alloc or wait for a status.
+        self.registrations.put(m.receiver, m.session, m.status)
+        self.receivers[m.receiver] = m
+        self._heard(m.receiver, now)
+        self.emit(registry.REAPER, Registered(m))
+
+    def _heard(self, receiver: str, now: float) -> None:
+        self.heard_at[receiver] = now
+        self.receivers.move_to_end(receiver)
+
+    def _unregister(self, receiver: str) -> None:
+        """Out of the shared table first: a successor must not bring it back."""
+        self.registrations.remove(receiver)
+        del self.receivers[receiver]
+        self.heard_at.pop(receiver, None)
+        self.engaged.pop(receiver, None)
+
+    def _engage(self, receiver: str) -> None:
+        self.engaged[receiver] += 1
+
+    def _disengage(self, receiver: str) -> None:
+        """One room or held alloc of `receiver` less: with none left, its idle time starts now."""
+        if self.engaged[receiver] > 1:
+            self.engaged[receiver] -= 1
+            return
+        self.engaged.pop(receiver, None)
+        if receiver in self.receivers:
+            self._heard(receiver, time.monotonic())
+
+    def _expire_registrations(self, now: float) -> None:
+        """Registrations heard from least recently first: those idle past
+        registration_idle_s that own nothing expire; one that still owns a room is
+        passed over (as heard from now: its room will end, and its idle time with it)."""
+        limit = now - self.registration_idle_s
+        while self.receivers:
+            receiver = next(iter(self.receivers))
+            if self.heard_at[receiver] >= limit:
+                return
+            if self.engaged[receiver]:
+                self._heard(receiver, now)
+                continue
+            self._unregister(receiver)
+            self.receivers_expired += 1
 
     def _on_opened(self, opened: RoomOpened) -> None:
         room = opened.room
@@ -212,8 +277,9 @@ class SenderStage(Stage):
         held = self.held.pop(room, [])
         for arrival, a, _ in held:
             self._on_alloc(a, arrival)
-        for _, _, slot in held:
+        for _, a, slot in held:
             self.held_table.remove(slot)
+            self._disengage(a.receiver)
         self.n_held -= len(held)
         early = self.early.pop(room, [])
         for r in early:
@@ -263,6 +329,7 @@ class SenderStage(Stage):
             return
         if a.receiver not in tx.receivers:
             tx.receivers.add(a.receiver)
+            self._engage(a.receiver)
             self.emit(registry.REAPER, AllocSeen(a.room, a.receiver))
         if tx.failing:
             return
@@ -298,6 +365,7 @@ class SenderStage(Stage):
             return
         self.held.setdefault(a.room, []).append((arrival, a, slot))
         self.n_held += 1
+        self._engage(a.receiver)
 
     # ------------------------------------------------------------ writes
     def _maybe_start(self, room: int, tx: _RoomTx, item: int) -> None:
@@ -405,6 +473,7 @@ class SenderStage(Stage):
                     continue
                 self.emit(registry.REAPER, UnknownRoom(room, a.receiver, "unknown room"))
                 self.held_table.remove(slot)
+                self._disengage(a.receiver)
             self.n_held -= len(held) - len(keep)
             if keep:
                 self.held[room] = keep
@@ -447,6 +516,8 @@ class SenderStage(Stage):
     def _conclude_fence(self, room: int, tx: _RoomTx) -> None:
         self.emit(registry.REAPER, Fenced(room, tuple(sorted(tx.receivers))))
         del self.live[room]
+        for receiver in tx.receivers:
+            self._disengage(receiver)
         slot = self.custody.slot_of(room)  # where its bit was set (None: no custody kept here)
         if tx.in_custody and slot is not None:  # else its RoomOpened's handling releases it
             self.custody.release(slot, room)
@@ -458,6 +529,8 @@ class SenderStage(Stage):
         """The room concluded Success: drop what is left of it."""
         tx = self.live.pop(room, None)
         if tx is not None:
+            for receiver in tx.receivers:
+                self._disengage(receiver)
             for it in tx.items:
                 if it.ready is not None:
                     self._release(it.ready)
@@ -475,8 +548,9 @@ class SenderStage(Stage):
     def _unhold(self, room: int) -> list[Alloc]:
         """The allocs held for `room`, no longer held."""
         held = self.held.pop(room, [])
-        for _, _, slot in held:
+        for _, a, slot in held:
             self.held_table.remove(slot)
+            self._disengage(a.receiver)
         self.n_held -= len(held)
         return [a for _, a, _ in held]
 
@@ -500,4 +574,5 @@ def build(env, name, emit, custody) -> SenderStage:
     return SenderStage(emit, custody, arena=sh.emb_arena, engine=env.engine, rooms=sh.rooms,
                        registrations=sh.receivers, held=sh.held, hidden=spec.hidden, dtype=spec.dtype,
                        deepstack_width=spec.deepstack_width, bootstrap_timeout_s=cfg.bootstrap_timeout_s,
-                       max_held_allocs=cfg.max_held_allocs, endpoint=cfg.bootstrap)
+                       max_held_allocs=cfg.max_held_allocs, endpoint=cfg.bootstrap,
+                       registration_idle_s=cfg.registration_idle_s)

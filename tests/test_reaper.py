@@ -31,6 +31,17 @@ class RecordingPusher:
     def send(self, receiver: str, frame: bytes) -> None:
         self.sent.append((receiver, wire.decode(frame)))
 
+    def forget(self, receiver: str) -> None:
+        self.endpoints.pop(receiver, None)
+
+    n_waiting = 0
+
+    def tick(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {"status_undelivered": self.undelivered}
+
     def close(self) -> None:
         pass
 
@@ -351,10 +362,41 @@ def test_the_watchdog_fails_a_room_nobody_will_finish(tables, rooms):
 
 
 def test_the_watchdog_waits_for_a_later_deadline(tables, rooms):
-    stage, pusher, emitted = make_reaper(tables, bootstrap_timeout_s=0.2, heartbeat_timeout_s=0.1)
+    stage, pusher, emitted = make_reaper(tables, bootstrap_timeout_s=0.2, heartbeat_timeout_s=0.1,
+                                         max_deadline_s=10**9)
     slot = rooms.insert(ROOM, "req-slow", 1, 0, deadline=10**9)
     stage.tick(10**6)
     assert rooms.get(slot).live and not emitted
+    stage.close()
+
+
+def test_a_deadline_past_max_deadline_s_is_capped(tables, rooms):
+    """deadline_ms up to 1e9 (11.6 days) is legal on the wire: the room fails at
+    max_deadline_s after it arrived, saying so, and the watchdog goes by the cap too."""
+    stage, pusher, emitted = make_reaper(tables, max_deadline_s=5.0)
+    slot = rooms.insert(ROOM, "req-far", 1, 0, deadline=time.monotonic() + 10**6)
+    stage.handle("intake", RoomOpened(slot, ROOM, "req-far", (4,), rooms.get(slot).deadline))
+    created = rooms.get(slot).created
+    assert stage.bound_of(rooms.get(slot)) <= created + 60.0 + stage.restart_margin_s
+    stage.tick(created + 1.0)
+    assert rooms.get(slot).live and not emitted
+    stage.tick(created + 5.5)
+    stage.pushed()
+    assert rooms.get(slot).state == RoomState.FAILED
+    assert "max_deadline_s" in rooms.get(slot).reason
+    stage.close()
+
+
+def test_the_deadline_heap_keeps_only_rooms_in_flight(tables, rooms):
+    """Rooms that conclude long before their deadline leave the heap (it grew with the
+    request rate times deadline_ms)."""
+    stage, pusher, emitted = make_reaper(tables, tombstone_ttl_s=0.001)
+    for k in range(200):
+        slot = rooms.insert(1000 + k, f"r{k}", 1, 0, deadline=time.monotonic() + 3000)
+        stage.handle("intake", RoomOpened(slot, 1000 + k, f"r{k}", (4,), rooms.get(slot).deadline))
+        stage.handle("sender", ItemDone(slot, 1000 + k, 0, 1))
+        stage.tick(time.monotonic() + 2.0)  # the watch, and the tombstone's expiry (frees the slot)
+    assert len(stage.deadlines) < 64, len(stage.deadlines)
     stage.close()
 
 
@@ -365,7 +407,9 @@ def test_when_who_allocated_is_not_known_every_registered_receiver_hears(tables,
     registered receiver is told, not only those the reaper knows allocated."""
     stage, pusher, _ = make_reaper(tables, bootstrap_timeout_s=0.2, heartbeat_timeout_s=0.1)
     for rx in ("rx-a", "rx-b"):
-        feed(stage, "sender", Registered(wire.Register(rx, "127.0.0.1:1", f"tcp://127.0.0.1:{len(rx)}")))
+        reg = wire.Register(rx, "127.0.0.1:1", f"tcp://127.0.0.1:{len(rx)}")
+        tables[2].put(reg.receiver, reg.session, reg.status)  # as the sender does, before telling anyone
+        feed(stage, "sender", Registered(reg))
     slot = rooms.insert(ROOM, "req", 1, OWNER_INTAKE)
     feed(stage, "intake", RoomOpened(slot, ROOM, "req", (4,), 0.0))
     feed(stage, "sender", AllocSeen(ROOM, "rx-a"))  # rx-b's alloc was never acknowledged
@@ -521,7 +565,7 @@ def test_a_status_sent_just_before_the_receiver_moves_its_endpoint_still_arrives
     from tests.helpers import free_port
 
     ctx = zmq.Context()
-    pusher = StatusPusher(ctx)
+    pusher = StatusPusher()
     old = f"tcp://127.0.0.1:{free_port()}"  # nothing listens yet: the status waits in the queue
     new_pull = ctx.socket(zmq.PULL)
     new_port = new_pull.bind_to_random_port("tcp://127.0.0.1")
