@@ -7,6 +7,7 @@ that serves the metrics endpoint needs the exporter (pipeline/metrics.py).
 from __future__ import annotations
 
 from bisect import bisect_left
+from enum import StrEnum
 
 # Upper bounds (seconds) of every histogram's buckets; +Inf is implicit.
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -28,8 +29,31 @@ class Histogram:
         return {"counts": list(self.counts), "sum": self.sum}
 
 
-# Failure reasons are free text (room ids, sizes, receiver names in them); a label takes
-# the first class whose words appear in the reason, so the label set stays bounded.
+class ReasonCode(StrEnum):
+    """Why a room failed, set where the failure is raised and carried with it
+    (RoomFailure.code); its value is the `reason` label of epd_rooms_total and
+    epd_requests_total. The reason text (room ids, sizes, receiver names in it) is for
+    the person reading a status or a log line; the label set stays bounded."""
+
+    DEADLINE = "deadline"                    # deadline_ms passed
+    CANCELED = "canceled"                    # a receiver canceled the room
+    SHUTDOWN = "shutdown"                    # the worker is shutting down
+    BOOTSTRAP_TIMEOUT = "bootstrap_timeout"  # allocs incomplete within bootstrap_timeout_s
+    STAGE_DIED = "stage_died"                # a stage died holding the room, its pixels or rows
+    TOWER_ERROR = "tower_error"              # the vision tower failed on an item
+    TRANSFER_ERROR = "transfer_error"        # a write to a receiver failed
+    BAD_ALLOC = "bad_alloc"                  # a receiver's alloc was refused
+    DUPLICATE_ROOM = "duplicate_room"        # the room id is live already
+    TABLE_FULL = "table_full"                # no room left in the room table
+    TABLE_DAMAGED = "table_damaged"          # the room table's entry could not be trusted
+    OVER_LIMIT = "over_limit"                # a configured limit (max_live_rooms, pixel bytes...)
+    UNREADABLE = "unreadable"                # the request could not be read
+    BAD_REQUEST = "bad_request"              # the request broke a rule of the protocol
+    OTHER = "other"                          # none of the above (a bug to name)
+
+
+# Until every raise site sets its code, a failure without one is classed by its text: a
+# label takes the first class whose words appear in the reason.
 REASON_CLASSES = [
     ("deadline", ("deadline exceeded",)),
     ("canceled", ("canceled",)),
@@ -49,8 +73,11 @@ REASON_CLASSES = [
 ]
 
 
-def reason_class(reason: str) -> str:
-    """The bounded label for a failure reason: one of REASON_CLASSES' names, or "other"."""
+def reason_class(reason: str, code: str = "") -> str:
+    """The bounded label for a failure: its code when the raise site set one, else the
+    class of its reason text (one of REASON_CLASSES' names), else "other"."""
+    if code:
+        return ReasonCode(code).value
     for name, words in REASON_CLASSES:
         if any(w in reason for w in words):
             return name

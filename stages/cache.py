@@ -6,6 +6,7 @@ from dataclasses import replace
 
 from ipc import wire
 from ipc.arena import Arena, Lease, StaleLease
+from ipc.stats import ReasonCode
 from stages import registry
 from stages.base import Stage
 from stages.embedding_cache import EmbeddingCache, InflightMisses, cache_key, make_key
@@ -54,7 +55,7 @@ class CacheStage(Stage):
             case Encoded(item=w):
                 self._encoded(w, source)
             case EncodeFailed(item=w, reason=reason, rooms=rooms):
-                self._encode_failed(w, reason, rooms)
+                self._encode_failed(w, reason, rooms, ReasonCode.TOWER_ERROR)
             case SpaceWanted(nbytes=nbytes):
                 self.flush_inserts()
                 self.cache.give_back(nbytes)
@@ -101,7 +102,8 @@ class CacheStage(Stage):
             self.flush_inserts()  # a key encoded a moment ago is a hit, not a second encode
             lease = self.cache.lookup(w.key, OWNER_CACHE)
         except StaleLease:  # the pixels were reclaimed from a dead intake
-            self.emit(registry.REAPER, RoomFailure(w.slot, w.room, "pixels were lost before hashing (intake died)"))
+            self.emit(registry.REAPER, RoomFailure(w.slot, w.room, "pixels were lost before hashing (intake died)",
+                                                   ReasonCode.STAGE_DIED))
             self.custody.release(w.slot, w.room)
             return
         if lease is not None:
@@ -125,7 +127,8 @@ class CacheStage(Stage):
         try:
             self.emb_arena.transfer(encoded.out, registry.owner_of(source), OWNER_CACHE)
         except StaleLease:
-            self._encode_failed(encoded, f"embedding was lost ({source} died)", {encoded.room})
+            self._encode_failed(encoded, f"embedding was lost ({source} died)", {encoded.room},
+                                ReasonCode.STAGE_DIED)
             return
         key, lease = encoded.key, encoded.out
         self.pending_inserts.append((key, lease))
@@ -148,7 +151,7 @@ class CacheStage(Stage):
             self.emit(registry.SENDER, r)
             self.custody.release(r.slot, r.room)
 
-    def _encode_failed(self, w: WorkItem, reason: str, failed_rooms) -> None:
+    def _encode_failed(self, w: WorkItem, reason: str, failed_rooms, code: ReasonCode) -> None:
         """Waiters whose rooms failed with the encode fail; the first of the others is
         encoded anew (the rest keep waiting on it)."""
         waiters = self.inflight.waiting(w.key)
@@ -166,7 +169,7 @@ class CacheStage(Stage):
             if self.inflight.begin(w.key, s):
                 again = s
         for f in failed:
-            self.emit(registry.REAPER, RoomFailure(f.slot, f.room, reason))
+            self.emit(registry.REAPER, RoomFailure(f.slot, f.room, reason, code))
             if not _same(f, w):
                 self.custody.release(f.slot, f.room)
         if again is not None:

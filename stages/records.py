@@ -137,10 +137,13 @@ class SpaceWanted:
 @dataclass(frozen=True, slots=True)
 class RoomFailure:
     """A stage found that a room cannot succeed; the reaper concludes it. `slot` None: a
-    room the sender saw only in allocs (never opened)."""
+    room the sender saw only in allocs (never opened). `code`: a ReasonCode (ipc/stats.py),
+    the label the failure is counted under; "" where the raise site sets none yet (its
+    reason text is classed instead)."""
     slot: int | None
     room: int
     reason: str
+    code: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ import time
 from dataclasses import replace
 
 from ipc.arena import ArenaFull, Lease, StaleLease
-from ipc.stats import Histogram
+from ipc.stats import Histogram, ReasonCode
 from stages import registry
 from stages.base import POLL_S, Stage
 from stages.batch_queue import BatchQueue, Entry
@@ -110,7 +110,8 @@ class SchedulerStage(Stage):
         try:
             self.pixel_arena.transfer(w.pixels, OWNER_CACHE, self.owner)
         except StaleLease:
-            self.emit(registry.REAPER, RoomFailure(w.slot, w.room, "pixels were lost before scheduling (cache died)"))
+            self.emit(registry.REAPER, RoomFailure(w.slot, w.room, "pixels were lost before scheduling (cache died)",
+                                                   ReasonCode.STAGE_DIED))
             self.custody.release(w.slot, w.room)
             return
         self.queue.add(Entry(w.seq, w.room, w.item, w.span, w, arrived=time.monotonic()))

@@ -10,7 +10,7 @@ import numpy as np
 
 from ipc.arena import StaleLease
 from ipc.rooms import RoomState
-from ipc.stats import Histogram
+from ipc.stats import Histogram, ReasonCode
 from stages import registry
 from stages.base import POLL_S, Stage
 from stages.records import (OWNER_SCHEDULER, Batch, Encoded, EncodeFailed, ReadyItem, RoomFailure,
@@ -80,7 +80,8 @@ class TowerStage(Stage):
                 flat = np.frombuffer(self.emb_arena.view(w.out), dtype=spec.np_dtype)
             except StaleLease:
                 self._release_leases(w)
-                self.emit(registry.REAPER, RoomFailure(w.slot, w.room, "pixels or output space lost (scheduler died)"))
+                self.emit(registry.REAPER, RoomFailure(w.slot, w.room, "pixels or output space lost (scheduler died)",
+                                                       ReasonCode.STAGE_DIED))
                 self.custody.release(w.slot, w.room)
                 continue
             items.append(TowerItem(w.modality, [tuple(g) for g in w.grid_thw],

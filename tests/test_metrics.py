@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import pickle
 import platform
 import random
 import subprocess
@@ -12,15 +13,17 @@ import signal
 import socket
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.client import Client, Item
-from ipc.stats import reason_class
+from ipc.stats import REASON_CLASSES, ReasonCode, reason_class
 from pipeline.metrics import StageTotals, totals_of
 from pipeline.receiver import Receiver
 from pipeline.supervisor import PipelineError
+from stages.records import RoomFailure
 from tests.helpers import PipelineWorker, ThreadedWorker, image, sim_config
 
 pytestmark = pytest.mark.timeout(300)
@@ -248,6 +251,27 @@ def test_reason_classes_are_bounded():
     assert reason_class("not a msgpack message (ExtraData)") == "unreadable"
     assert reason_class("duplicate room") == "duplicate_room"
     assert reason_class("something nobody wrote yet") == "other"
+
+
+def test_a_reason_code_set_where_the_failure_is_raised_is_the_label():
+    # the code wins over the text; the text is classed only where no code was set
+    assert reason_class("pixels were lost before scheduling (cache died)", ReasonCode.STAGE_DIED) == "stage_died"
+    assert reason_class("tower failed: item 0 was canceled by the model", ReasonCode.TOWER_ERROR) == "tower_error"
+    assert reason_class("tower failed: item 0 was canceled by the model") == "canceled"  # what text matching did
+    with pytest.raises(ValueError):
+        reason_class("x", "not_a_code")  # a label outside the bounded set is a bug, not a new label
+    # every class the text fallback gives is a code, so both paths give one label set
+    assert {name for name, _ in REASON_CLASSES} | {"other"} == {c.value for c in ReasonCode}
+    failure = RoomFailure(3, 17, "pixels were lost", ReasonCode.STAGE_DIED)
+    again = pickle.loads(pickle.dumps(failure))  # as it crosses a ring to the reaper
+    assert again == failure and again.code == "stage_died"
+    assert RoomFailure(None, 17, "canceled").code == ""  # a raise site that sets none yet
+
+
+def test_every_reason_code_is_documented():
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    missing = [c.value for c in ReasonCode if f"`{c.value}`" not in doc]
+    assert not missing, missing
 
 
 def test_totals_of_a_dead_stage_are_carried():
