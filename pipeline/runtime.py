@@ -5,6 +5,7 @@ The in-process worker (pipeline/inprocess.py) and the supervisor of the stage pr
 """
 from __future__ import annotations
 
+import resource
 import signal
 import time
 from typing import Protocol
@@ -15,6 +16,12 @@ from pipeline import wiring
 from pipeline.config import WorkerConfig
 from pipeline.notify import Notifier
 from stages.records import RoomsLost
+from stages.status_pusher import FDS_PER_SOCKET, SLOTS_PER_SOCKET
+
+# Open files the worker takes besides its status sockets (its own sockets, the rings'
+# and tables' descriptors, Mooncake's, the libraries'): the common default soft limit,
+# under which it ran before status sockets were bounded.
+BASE_OPEN_FILES = 1024
 
 SHUTTING_DOWN = "worker shutting down"
 
@@ -51,6 +58,31 @@ class StartError(RuntimeError):
     """The worker could not start (exit code 3); the message says why."""
 
 
+def open_files_needed(cfg: WorkerConfig) -> int:
+    """The open-file limit the worker's bounds need in its largest process (the in-process
+    worker, or the reaper's): a status socket closed holds its files until ZeroMQ reaps it."""
+    return BASE_OPEN_FILES + FDS_PER_SOCKET * SLOTS_PER_SOCKET * cfg.max_status_sockets
+
+
+def raise_open_file_limit(cfg: WorkerConfig) -> int:
+    """Raise this process's soft RLIMIT_NOFILE (up to the hard limit) to what the bounds
+    need; stage processes inherit it. StartError, naming the bound to lower, when the hard
+    limit is below it. Returns the soft limit now in force."""
+    need = open_files_needed(cfg)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return soft
+    if hard != resource.RLIM_INFINITY and hard < need:
+        fits = max(0, (hard - BASE_OPEN_FILES) // (FDS_PER_SOCKET * SLOTS_PER_SOCKET))
+        raise StartError(
+            f"the open-file limit (RLIMIT_NOFILE, hard {hard}) is below the {need} the worker's bounds need "
+            f"({BASE_OPEN_FILES} + {FDS_PER_SOCKET * SLOTS_PER_SOCKET} per status socket, max_status_sockets "
+            f"{cfg.max_status_sockets}): lower max_status_sockets to {fits} or less, or raise the hard limit "
+            f"(ulimit -Hn, or LimitNOFILE= in the service's unit)")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    return need
+
+
 class RunResources:
     """A run's shared objects, from start-up checks to close: what both modes own.
 
@@ -70,6 +102,7 @@ class RunResources:
         self.notifier.status("starting: creating the shared memory")
         self.cfg = cfg = cfg.resolved().validate()
         self.objects = []  # closed and unlinked at close(), last made first
+        raise_open_file_limit(cfg)  # before any stage process exists: they inherit it
         shm.sweep(cfg.shm_prefix)
         shm.require_free({"pixel arena": cfg.pixel_arena_bytes, "embedding arena": cfg.embedding_arena_bytes,
                           "receiver and told tables": wiring.tables_bytes(cfg), **(needs or {})})

@@ -17,8 +17,9 @@ import zmq
 
 from ipc import wire
 from pipeline.client import Client, Item
+from pipeline.config import WorkerConfig
 from pipeline.receiver import Receiver
-from tests.helpers import expected_sim_rows, image, sim_config, start_worker
+from tests.helpers import expected_sim_rows, fork_call, image, sim_config, start_worker, wait_child
 
 pytestmark = pytest.mark.timeout(300)
 _rooms = itertools.count(70_000)
@@ -131,3 +132,121 @@ def test_a_register_flood_leaves_the_worker_serving(env):
         assert_alive(w)
     finally:
         ctx.destroy(linger=0)
+
+
+# ================================================================ open files
+
+
+def _limits_in_child(soft: int, hard: int, sockets: int, out) -> None:
+    import resource
+
+    from pipeline.runtime import StartError, raise_open_file_limit
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    cfg = WorkerConfig(max_status_sockets=sockets)
+    try:
+        got = raise_open_file_limit(cfg)
+    except StartError as e:
+        out.write_text(f"error {e}")
+        return
+    out.write_text(f"ok {got} {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}")
+
+
+def test_the_worker_raises_its_open_file_limit_or_names_the_bound_to_lower(tmp_path):
+    """At start the soft RLIMIT_NOFILE goes up (to the hard limit at most) to what
+    max_status_sockets needs; past the hard limit the start fails naming the setting.
+    (In a child: a hard limit lowered cannot be raised again.)"""
+    from pipeline.runtime import open_files_needed
+
+    need = open_files_needed(WorkerConfig(max_status_sockets=256))
+    out = tmp_path / "out"
+    assert wait_child(fork_call(_limits_in_child, 256, need + 100, 256, out)) == 0
+    assert out.read_text() == f"ok {need} {need}"
+    assert wait_child(fork_call(_limits_in_child, 256, need + 100, 10_000, out)) == 0
+    text = out.read_text()
+    assert text.startswith("error") and "max_status_sockets" in text and "RLIMIT_NOFILE" in text, text
+
+
+def test_a_start_with_too_low_a_hard_limit_exits_3_naming_the_bound(shm_prefix, tmp_path):
+    import resource
+    import subprocess
+    import sys
+
+    def low_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1500))
+
+    proc = subprocess.run([sys.executable, "run.py", "serve", "--tower", "sim", "--shm-prefix", shm_prefix,
+                           "--run-dir", str(tmp_path), "--max-status-sockets", "1000"],
+                          preexec_fn=low_limit, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, (proc.returncode, proc.stdout, proc.stderr)
+    assert "max_status_sockets" in proc.stdout + proc.stderr
+
+
+# ================================================================ status sockets
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_status_sockets_close_when_idle_reopen_when_needed_and_are_capped():
+    """A socket unused for idle_s closes; the next status reopens it. At the cap the
+    least recently used one closes, but only once its last status had its linger: until
+    then a status for another receiver waits, and goes out when one may close."""
+    from stages.status_pusher import LINGER_S, StatusPusher
+
+    clock = FakeClock()
+    ctx = zmq.Context()
+    pusher = StatusPusher(max_sockets=2, idle_s=30.0, clock=clock)
+    pulls = {}
+    try:
+        for rx in ("a", "b", "c"):
+            pulls[rx] = ctx.socket(zmq.PULL)
+            pusher.register(rx, f"tcp://127.0.0.1:{pulls[rx].bind_to_random_port('tcp://127.0.0.1')}")
+        assert pusher.stats()["status_sockets_open"] == 0  # registering opens nothing
+
+        def got(rx, room):
+            assert pulls[rx].poll(5000), rx
+            assert wire.decode(pulls[rx].recv())["room"] == room
+
+        pusher.send("a", wire.status_message(1, 0, True))
+        pusher.send("b", wire.status_message(2, 0, True))
+        got("a", 1)
+        got("b", 2)
+        pusher.send("c", wire.status_message(3, 0, True))  # the cap: a's socket was used just now
+        assert pusher.stats()["status_waiting"] == 1 and pusher.stats()["status_sockets_open"] == 2
+        clock.now += LINGER_S
+        pusher.tick()  # a may close now: c's status goes out
+        got("c", 3)
+        assert pusher.stats()["status_sockets_open"] == 2
+        clock.now += 31.0
+        pusher.tick()  # idle: every socket closes
+        assert pusher.stats()["status_sockets_open"] == 0
+        pusher.send("a", wire.status_message(4, 0, True))  # reopened for the next status
+        got("a", 4)
+        assert pusher.stats()["status_sockets_opened"] == 4 and pusher.stats()["status_undelivered"] == 0
+    finally:
+        pusher.close()
+        for sock in pulls.values():
+            sock.close(linger=0)
+        ctx.term()
+
+
+def test_a_full_status_queue_is_counted_and_logged(caplog):
+    """A receiver that never reads: statuses past status_hwm are dropped, counted and logged."""
+    from stages.status_pusher import StatusPusher
+
+    pusher = StatusPusher(hwm=4, max_sockets=2)
+    try:
+        pusher.register("slow", "tcp://127.0.0.1:9")  # nobody listens
+        with caplog.at_level("WARNING", logger="epd.reaper"):
+            for room in range(20):
+                pusher.send("slow", wire.status_message(room, 0, True))
+        assert pusher.stats()["status_undelivered"] > 0
+        assert any("dropped a status for receiver slow" in r.message for r in caplog.records)
+    finally:
+        pusher.close()
