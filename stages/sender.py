@@ -111,6 +111,7 @@ class SenderStage(Stage):
         self.dropped = Counter()
         self.bytes_written = 0
         self.transfer_seconds = Histogram()
+        self.alloc_wait = Histogram()  # an item's embedding ready here to its allocs complete
         self.transfer_failures = 0
         self.started_at = time.monotonic()
         self.writing: set[int] = set()  # rooms with writes in flight
@@ -175,7 +176,8 @@ class SenderStage(Stage):
                 "sender_early_items": sum(len(v) for v in self.early.values()),
                 "receivers_registered": len(self.receivers), "receivers_expired": self.receivers_expired,
                 "receivers_evicted": self.receivers_evicted,
-                "transfer_seconds": self.transfer_seconds.snapshot(), "transfer_failures": self.transfer_failures}
+                "transfer_seconds": self.transfer_seconds.snapshot(), "transfer_failures": self.transfer_failures,
+                "alloc_wait_seconds": self.alloc_wait.snapshot()}
 
     # ------------------------------------------------------------ inputs
     def _on_bootstrap(self, frame: bytes) -> None:
@@ -373,6 +375,7 @@ class SenderStage(Stage):
         if it.started or it.ready is None or not it.fanout or len(it.allocs) < it.fanout:
             return
         it.started = True
+        self.alloc_wait.observe(max(0.0, time.monotonic() - it.ready_at))  # ~0 when the allocs came first
         if not self.arena.valid(it.ready.lease):
             self._fail(room, tx, "embedding was reclaimed before it could be sent")
             return

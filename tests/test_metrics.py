@@ -139,6 +139,8 @@ def test_counters_equal_what_was_sent(started):
         assert value(m, "epd_arena_used_bytes", tier=tier) == value(m, "epd_arena_bytes_used", tier=tier)
     # every item the tower encoded waited at the scheduler once
     assert value(m, "epd_scheduler_queue_wait_seconds_count") == value(m, "epd_tower_items_total")
+    # every item written had its allocs complete once (the seven below)
+    assert value(m, "epd_alloc_wait_seconds_count") == 7
     info = [dict(labels) for (n, labels), v in m.items() if n == "epd_build_info" and v == 1]
     assert len(info) == 1 and info[0]["python"] == platform.python_version(), info
     assert info[0]["tower"] == w.spec.name and info[0]["torch"] and info[0]["version"], info
