@@ -584,3 +584,43 @@ def test_a_status_sent_just_before_the_receiver_moves_its_endpoint_still_arrives
         for sock in (old_pull, new_pull):
             sock.close(linger=0)
         ctx.term()
+
+
+def test_tombstones_expire_past_a_room_still_waiting_for_its_fence(tables, rooms):
+    """A failed room waits for the sender's fence before its tombstone may go; the rooms
+    concluded after it expire meanwhile (expiry stopped at it, and the table filled)."""
+    stage, pusher, emitted = make_reaper(tables, tombstone_ttl_s=1.0)
+    stuck = rooms.insert(ROOM, "req-stuck", 1, OWNER_INTAKE)
+    stage.handle("intake", RoomOpened(stuck, ROOM, "req-stuck", (4,), 0.0))
+    stage.handle("sender", RoomFailure(stuck, ROOM, "canceled"))
+    stage.pushed()  # Failed in the table; the fence is not answered
+    done = []
+    for k in range(5):
+        slot = rooms.insert(100 + k, f"r{k}", 1, OWNER_INTAKE)
+        stage.handle("intake", RoomOpened(slot, 100 + k, f"r{k}", (4,), 0.0))
+        stage.handle("sender", ItemDone(slot, 100 + k, 0, 1))
+        done.append(slot)
+    stage.tick(time.monotonic() + 2.0)
+    assert all(rooms.get(slot) is None for slot in done), "expired behind the room waiting for its fence"
+    assert ROOM in stage.tombstones and rooms.get(stuck) is not None
+    stage.handle("sender", Fenced(ROOM, ()))
+    stage.tick(time.monotonic() + 4.0)
+    assert ROOM not in stage.tombstones
+    stage.close()
+
+
+def test_registrations_the_sender_freed_leave_the_reaper_too(tables):
+    """The sender frees registrations (expired, given way) in the shared table without a
+    record: past the table's capacity the reaper reads it again and forgets the rest."""
+    stage, pusher, _ = make_reaper(tables)
+    receivers = tables[2]
+    for k in range(20):
+        rx = f"rx{k}"
+        if len(receivers.load()) >= receivers.capacity - 1:
+            receivers.remove(f"rx{k - receivers.capacity + 1}")
+        receivers.put(rx, "127.0.0.1:1", "tcp://127.0.0.1:9")
+        feed(stage, "sender", Registered(wire.Register(rx, "127.0.0.1:1", "tcp://127.0.0.1:9")))
+    assert len(stage.registrations) <= receivers.capacity
+    assert set(pusher.endpoints) == set(stage.registrations)  # bounded, the same in both
+    assert "rx19" in stage.registrations and "rx0" not in stage.registrations
+    stage.close()
