@@ -250,3 +250,38 @@ def test_a_full_status_queue_is_counted_and_logged(caplog):
         assert any("dropped a status for receiver slow" in r.message for r in caplog.records)
     finally:
         pusher.close()
+
+
+# ================================================================ both modes: deadlines, expiry
+
+
+def test_a_deadline_past_max_deadline_s_fails_the_room_then_saying_so(env):
+    """deadline_ms up to 1e9 is legal on the wire; the room is held to max_deadline_s
+    (before: its entry stayed in the reaper's heap for up to 11.6 days)."""
+    w, client, made = env(max_deadline_s=1.0)
+    rx = Receiver("rx", w.cfg.bootstrap, buffer_bytes=8 << 20)
+    made.append(rx)
+    room = next(_rooms)
+    it = Item("image", *image(3, grid=(1, 4, 4)))
+    client.encode(room, f"req-{room}", [it], deadline_ms=10**9)
+    # One shard of two: the room waits for the other until its (capped) deadline.
+    rx.alloc(room, 0, span=4, hidden=64, dtype="bfloat16", deepstack_width=32, fanout=2, row_start=0, n_rows=2)
+    assert rx.wait({room: 1}, 60), "the room never concluded"
+    assert "max_deadline_s" in rx.failed[room], rx.failed[room]
+    ok, it2 = serve_one(client, rx, 4, deadline_ms=10**9)
+    assert rx.wait({ok: 1}, 60) and ok not in rx.failed
+    assert_rows(rx, ok, it2)
+    assert_alive(w)
+
+
+def test_an_idle_registration_expires_and_registering_again_serves(env):
+    w, client, made = env(registration_idle_s=2.0)
+    rx = Receiver("rx", w.cfg.bootstrap, buffer_bytes=8 << 20)
+    made.append(rx)
+    assert wait_for(lambda: stat(w, "receivers_expired") >= 1), w.stats()
+    assert stat(w, "receivers_registered") == 0
+    rx.register()
+    room, it = serve_one(client, rx, 5)
+    assert rx.wait({room: 1}, 60) and room not in rx.failed, rx.failed.get(room)
+    assert_rows(rx, room, it)
+    assert_alive(w)
