@@ -78,7 +78,7 @@ class SenderStage(Stage):
     def __init__(self, emit, custody=None, *, arena: Arena, engine, rooms: RoomTable,
                  registrations: ReceiverTable, held: HeldAllocs, hidden: int, dtype: str, deepstack_width: int,
                  bootstrap_timeout_s: float, max_held_allocs: int, endpoint: str = "",
-                 registration_idle_s: float = 3600.0, max_receivers: int = MAX_RECEIVERS):
+                 registration_idle_s: float = 3600.0, max_receivers: int | None = None):
         super().__init__(emit, custody)
         self.arena = arena
         self.engine = engine
@@ -95,7 +95,7 @@ class SenderStage(Stage):
         self.heard_at: dict[str, float] = {}
         self.engaged = Counter()  # receiver -> its rooms in flight here and allocs held
         self.registration_idle_s = registration_idle_s
-        self.max_receivers = max_receivers
+        self.max_receivers = MAX_RECEIVERS if max_receivers is None else max_receivers
         self.receivers_expired = 0
         self.receivers_evicted = 0
         self.live: dict[int, _RoomTx] = {}
