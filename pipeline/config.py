@@ -43,7 +43,7 @@ def setting(default, help: str):
     return field(default=default, metadata={"help": help})
 
 
-SIZE_FORMS = "bytes (536870912) or a number and a unit: 512MiB, 1GiB, 64KiB (B, KiB, MiB, GiB, TiB; kB, MB, GB, TB)"
+SIZE_FORMS = "bytes, or a number and a unit: 512MiB, 1GiB, 64KiB; units B, KiB, MiB, GiB, TiB, kB, MB, GB, TB"
 SIZE_UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
               "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*")
@@ -59,10 +59,11 @@ def parse_size(text: str) -> int:
     `512MiB`, `1.5GiB`; ValueError, naming the accepted forms, for anything else."""
     m = _SIZE.fullmatch(text.lower())
     if not m or m[2] not in ("", *SIZE_UNITS):
-        raise ValueError(f"expected a size, {SIZE_FORMS}; got {text!r}")
+        raise ValueError(f"expected an integer, got {text!r} (a size: {SIZE_FORMS})")
     number = Fraction(m[1]) * SIZE_UNITS.get(m[2], 1)
     if number.denominator != 1:
-        raise ValueError(f"expected a whole number of bytes, got {text!r} ({float(number):g} bytes)")
+        raise ValueError(f"expected a whole number of bytes, got {text!r} ({float(number):g} bytes; "
+                         f"a size: {SIZE_FORMS})")
     return int(number)
 
 

@@ -63,9 +63,10 @@ def test_environment_values_are_parsed_by_type():
 @pytest.mark.parametrize("name, value, expected", [
     ("EPD_MAX_LIVE_ROOMS", "x", "EPD_MAX_LIVE_ROOMS: expected an integer, got 'x'"),
     ("EPD_MAX_LIVE_ROOMS", "1.5", "EPD_MAX_LIVE_ROOMS: expected an integer, got '1.5'"),
-    ("EPD_RING_BYTES", "x", f"EPD_RING_BYTES: expected a size, {SIZE_FORMS}; got 'x'"),
-    ("EPD_RING_BYTES", "1.5", "EPD_RING_BYTES: expected a whole number of bytes, got '1.5' (1.5 bytes)"),
-    ("EPD_RING_BYTES", "8 MeB", f"EPD_RING_BYTES: expected a size, {SIZE_FORMS}; got '8 MeB'"),
+    ("EPD_RING_BYTES", "x", f"EPD_RING_BYTES: expected an integer, got 'x' (a size: {SIZE_FORMS})"),
+    ("EPD_RING_BYTES", "1.5", f"EPD_RING_BYTES: expected a whole number of bytes, got '1.5' (1.5 bytes; "
+                              f"a size: {SIZE_FORMS})"),
+    ("EPD_RING_BYTES", "8 MeB", f"EPD_RING_BYTES: expected an integer, got '8 MeB' (a size: {SIZE_FORMS})"),
     ("EPD_DRAIN_TIMEOUT_S", "soon", "EPD_DRAIN_TIMEOUT_S: expected a number, got 'soon'"),
     ("EPD_TRUST_CLIENT_HASH", "maybe", "EPD_TRUST_CLIENT_HASH: expected true or false, got 'maybe'"),
 ])
@@ -84,7 +85,7 @@ def test_unknown_environment_variable_is_an_error():
 
 
 @pytest.mark.parametrize("line, expected", [
-    ('ring_bytes = "x"', f"ring_bytes: expected a size, {SIZE_FORMS}; got 'x'"),
+    ('ring_bytes = "x"', f"ring_bytes: expected an integer, got 'x' (a size: {SIZE_FORMS})"),
     ('max_live_rooms = "x"', "max_live_rooms: expected an integer, got 'x'"),
     ("ring_bytes = 1.5", "ring_bytes: expected an integer, got 1.5"),
     ("ring_bytes = true", "ring_bytes: expected an integer, got True"),
@@ -246,7 +247,7 @@ def test_parse_size(text, expected):
 
 @pytest.mark.parametrize("text", ["", "x", "-1", "1.5", "0.3KiB", "12XB", "1e6", "MiB", "1 GiB 2"])
 def test_parse_size_refuses_naming_the_forms(text):
-    with pytest.raises(ValueError, match="expected a"):
+    with pytest.raises(ValueError, match="expected a.*a size: bytes, or a number and a unit: 512MiB"):
         parse_size(text)
 
 
@@ -275,13 +276,14 @@ def test_a_bad_size_names_the_key_the_source_and_the_forms(tmp_path, capsys):
     path = write(tmp_path, 'ring_bytes = "16 MeB"\n')
     with pytest.raises(ConfigError) as e:
         load_config(path, environ={})
-    assert str(e.value) == f"{path}: ring_bytes: expected a size, {SIZE_FORMS}; got '16 MeB'"
+    assert str(e.value) == f"{path}: ring_bytes: expected an integer, got '16 MeB' (a size: {SIZE_FORMS})"
     assert e.value.key == "ring_bytes"
     parser = argparse.ArgumentParser()
     add_flags(parser)
     with pytest.raises(SystemExit):
         parser.parse_args(["--ring-bytes", "lots"])
     err = capsys.readouterr().err
-    assert "argument --ring-bytes: expected a size" in err and "512MiB" in err, err
+    assert "argument --ring-bytes: expected an integer, got 'lots' (a size: bytes, or" in err, err
+    assert "512MiB" in err, err
     with pytest.raises(ConfigError, match=r"ring_bytes must be >= 1, got 0 \(set by EPD_RING_BYTES\)"):
         load_config(environ={"EPD_RING_BYTES": "0MiB"})
