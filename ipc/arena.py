@@ -108,6 +108,7 @@ class Arena(SharedTable):
     MAGIC = 0x3141_7265_6E61_0002  # "arena", layout 2
     KIND = "arena"
     GEOMETRY = ("size", "block_size", "max_leases", "max_owners")
+    MAX_LEASES = 2**24  # lease slots an arena can have
 
     # -- construction ------------------------------------------------------
 
@@ -115,7 +116,7 @@ class Arena(SharedTable):
     def segment_size(cls, size: int, block_size: int, max_leases: int, max_owners: int) -> int:
         if size <= 0 or block_size <= 0 or size % block_size:
             raise ValueError(f"arena size ({size}) and block_size ({block_size}) must be > 0")
-        if not 1 <= max_leases <= 2**24 or not 1 <= max_owners <= 4096:
+        if not 1 <= max_leases <= cls.MAX_LEASES or not 1 <= max_owners <= 4096:
             raise ValueError(f"max_leases ({max_leases}) must be 1..2**24 and max_owners ({max_owners}) 1..4096")
         return _layout(size // block_size, max_leases, max_owners)["total"]
 
@@ -506,6 +507,15 @@ class Arena(SharedTable):
         """Bytes in leased blocks (each lease counts whole blocks)."""
         with self._lock:
             return self._h[_H_USED] * self.block_size
+
+    def room_for(self, lengths: list[int]) -> bool:
+        """Whether leases of these lengths could all be had now, counting blocks and
+        lease slots, not where the free blocks lie: False means an alloc of them fails
+        for sure, a cheap test for a stage that waits for room."""
+        blocks = sum(-(-_index(n) // self.block_size) for n in lengths)
+        with self._lock:
+            return (blocks <= self.nblocks - self._h[_H_USED]
+                    and len(lengths) <= self.max_leases - self._h[_H_LIVE])
 
     def live_leases(self) -> list[Lease]:
         """Every live lease, by offset."""

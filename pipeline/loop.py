@@ -41,6 +41,7 @@ log = logging.getLogger("epd.host")
 
 FRAMES_PER_ROUND = 64  # socket frames a round takes, so timers and records interleave with a burst
 PUSH_TIMEOUT_S = 1.0   # a full output ring is waited on in slices, beating the heart in between
+READ_AHEAD_FRAMES = 1024  # frames a reader thread holds for its stage, at most
 
 
 class Env:
@@ -201,6 +202,41 @@ class RingChannel:
             ring.close()
 
 
+class FrameQueue:
+    """Frames a reader thread took from a socket, waiting for the loop: at most
+    `max_frames` of them and, but for the last one taken, `max_bytes`. While it is full
+    the reader leaves the socket alone, whose own queue fills until its high-water mark
+    pushes back on the peer."""
+
+    def __init__(self, max_frames: int, max_bytes: int):
+        self.max_frames = max_frames
+        self.max_bytes = max_bytes
+        self.frames: deque = deque()
+        self.bytes = 0
+        self.changed = threading.Condition()
+
+    def full(self) -> bool:
+        return len(self.frames) >= self.max_frames or self.bytes >= self.max_bytes
+
+    def put(self, frame: bytes) -> None:
+        with self.changed:
+            self.frames.append(frame)
+            self.bytes += len(frame)
+
+    def get_nowait(self) -> bytes:
+        with self.changed:
+            if not self.frames:
+                raise queue.Empty
+            frame = self.frames.popleft()
+            self.bytes -= len(frame)
+            self.changed.notify()
+            return frame
+
+    def wait_for_room(self, timeout: float) -> bool:
+        with self.changed:
+            return self.changed.wait_for(lambda: not self.full(), timeout)
+
+
 class Loop:
     """Rounds over `stages` joined by `channel`; each stage's socket bound here.
 
@@ -211,11 +247,12 @@ class Loop:
         self.stages = stages
         self.channel = channel
         self.sockets: list[tuple[Stage, zmq.Socket]] = []
-        self.frames: dict[Stage, queue.SimpleQueue] = {}  # frames read by a thread, per stage
+        self.frames: dict[Stage, FrameQueue] = {}  # frames read by a thread, per stage
         self.closing: set[Stage] = set()  # stages that read their socket until it is empty, then pause
         self.paused: set[Stage] = set()   # stages whose socket is left unread (after a drain began)
         self.idle_s = 0.0      # time spent waiting for work, for the busy ratio
         self._readers: list[threading.Thread] = []
+        self._closing = threading.Event()
         try:
             for stage in stages:
                 sock = stage.socket()
@@ -225,7 +262,9 @@ class Loop:
                 self.sockets.append((stage, wiring.bind_pull(ctx, endpoint, max_frame)))
             if channel.has_rings:
                 for stage, sock in self.sockets:
-                    self.frames[stage] = q = queue.SimpleQueue()
+                    _, max_frame = stage.socket()
+                    # As much as the socket itself queues for a peer, in bytes.
+                    self.frames[stage] = q = FrameQueue(READ_AHEAD_FRAMES, wiring.SOCKET_QUEUE_FRAMES * max_frame)
                     t = threading.Thread(target=self._read_socket, args=(sock, q), daemon=True)
                     t.start()
                     self._readers.append(t)
@@ -233,13 +272,14 @@ class Loop:
             self.close()
             raise
 
-    def _read_socket(self, sock: zmq.Socket, frames: queue.SimpleQueue) -> None:
-        while True:
+    def _read_socket(self, sock: zmq.Socket, frames: FrameQueue) -> None:
+        while not self._closing.is_set():
             try:
-                if not sock.poll(100):
+                if not frames.wait_for_room(0.1) or not sock.poll(100):
                     continue
-                while True:
+                while not frames.full():
                     frames.put(sock.recv(zmq.NOBLOCK))
+                self.channel.bell.release()
             except zmq.Again:
                 self.channel.bell.release()
             except zmq.ZMQError:
@@ -320,8 +360,10 @@ class Loop:
             self.channel.wait(timeout)
 
     def close(self) -> None:
+        # The readers first: a ZeroMQ socket is not to be closed under a thread using it.
+        self._closing.set()
+        for t in self._readers:
+            t.join(1.0)
         for _, sock in self.sockets:
             sock.close(linger=0)
         self.sockets = []
-        for t in self._readers:
-            t.join(1.0)

@@ -81,18 +81,26 @@ class Shared:
             obj.close()
 
 
+# Frames a socket of the worker queues for each connected peer (its receive high-water
+# mark). ZeroMQ counts frames, not bytes, so this times the largest frame is what the
+# queue may hold; once it is full, ZeroMQ stops reading the connection and the peer's
+# own queue fills, until its send blocks (or says EAGAIN). A few frames keep a stage
+# that reads promptly fed.
+SOCKET_QUEUE_FRAMES = 4
+
+
 def bind_pull(ctx, endpoint: str, max_frame: int):
     """The worker's PULL socket at `endpoint` (intake or bootstrap).
 
     A frame over `max_frame` bytes makes ZeroMQ drop it and the peer's connection
-    before it is buffered: no request can be that large, and a queue of 100,000 of
-    them must stay bounded. An ipc:// socket file is made 0600 (a dead predecessor's
-    is replaced)."""
+    before it is buffered; at most SOCKET_QUEUE_FRAMES frames per peer wait in it, so
+    a stage that stops reading pushes back on its peers. An ipc:// socket file is made
+    0600 (a dead predecessor's is replaced)."""
     import zmq
 
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVHWM, 100000)
+    sock.setsockopt(zmq.RCVHWM, SOCKET_QUEUE_FRAMES)
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
     unlink_ipc(endpoint)  # a dead predecessor's
     try:
@@ -127,10 +135,37 @@ def told_capacity(cfg: WorkerConfig) -> int:
     return room_capacity(cfg) * TOLD_PER_ROOM
 
 
+ARENA_BLOCK = 4096  # bytes of an arena block: a lease takes whole blocks, one at least
+ARENA_OWNERS = 16
+
+
+def lease_slots(arena_bytes: int, in_flight: int) -> int:
+    """Lease slots for an arena of `arena_bytes` that holds up to `in_flight` leases at
+    once by the limits; never more than its blocks (each lease takes one at least), so
+    where the limits allow more, the arena runs out of space before it runs out of
+    slots. Either is waited for by the stage that leases."""
+    return max(1, min(-(-arena_bytes // ARENA_BLOCK), in_flight, Arena.MAX_LEASES))
+
+
+def pixel_leases(cfg: WorkerConfig) -> int:
+    """Every item of every live room may hold pixels at once."""
+    return lease_slots(cfg.pixel_arena_bytes, cfg.max_live_rooms * cfg.max_items_per_request)
+
+
+def embedding_leases(cfg: WorkerConfig) -> int:
+    """Every item of every live room may hold rows at once, beside the cached entries."""
+    return lease_slots(cfg.embedding_arena_bytes, cfg.max_live_rooms * cfg.max_items_per_request
+                       + cfg.arena_cache_bytes // ARENA_BLOCK)
+
+
 def tables_bytes(cfg: WorkerConfig) -> int:
-    """/dev/shm taken by the receiver, told and held-alloc tables (for the start-up check)."""
+    """/dev/shm taken by the receiver, told and held-alloc tables and the arenas' lease
+    tables (for the start-up check)."""
+    arenas = sum(Arena.segment_size(-(-size // ARENA_BLOCK) * ARENA_BLOCK, ARENA_BLOCK, leases, ARENA_OWNERS)
+                 for size, leases in ((cfg.pixel_arena_bytes, pixel_leases(cfg)),
+                                      (cfg.embedding_arena_bytes, embedding_leases(cfg))))
     return (ReceiverTable.size_of() + ToldTable.size_of(told_capacity(cfg), cfg.max_items_per_request)
-            + HeldAllocs.size_of(cfg.max_held_allocs))
+            + HeldAllocs.size_of(cfg.max_held_allocs) + arenas)
 
 
 def create_shared(cfg: WorkerConfig, run_id: str, own, placement: dict | None = None) -> Shared:
@@ -143,9 +178,11 @@ def create_shared(cfg: WorkerConfig, run_id: str, own, placement: dict | None = 
     placement = placement or {}
     p = cfg.shm_prefix
     with numa.first_touch(placement.get(INTAKE)):
-        pixel_arena = own(Arena.create(p, run_id, "pixels", cfg.pixel_arena_bytes))
+        pixel_arena = own(Arena.create(p, run_id, "pixels", cfg.pixel_arena_bytes, block_size=ARENA_BLOCK,
+                                       max_leases=pixel_leases(cfg), max_owners=ARENA_OWNERS))
     towers = registry.tower_names(cfg.tower_replicas)
-    emb_arena = own(Arena.create(p, run_id, "emb", cfg.embedding_arena_bytes, slices=len(towers),
+    emb_arena = own(Arena.create(p, run_id, "emb", cfg.embedding_arena_bytes, block_size=ARENA_BLOCK,
+                                 max_leases=embedding_leases(cfg), max_owners=ARENA_OWNERS, slices=len(towers),
                                  touch=lambda k: numa.first_touch(placement.get(towers[k]))))
     return Shared(pixel_arena, emb_arena, own(RoomTable.create(p, run_id, "rooms", room_capacity(cfg))),
                   own(ReceiverTable.create(p, run_id, "receivers")),

@@ -4,9 +4,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from typing import NamedTuple
 
 from ipc import wire
-from ipc.arena import Arena, Lease
+from ipc.arena import Arena, ArenaFull, Lease
 from ipc.rooms import RoomState, RoomTable, TableFull
 from ipc.stats import reason_class
 from ipc.wire import ProtocolError
@@ -21,13 +22,25 @@ log = logging.getLogger("epd.intake")
 # Between counts the estimate errs high by the requests accepted since, so near the
 # limit every request counts again.
 LIVE_RECOUNT_S = 0.05
+BUSY = "worker busy"  # what a request hears when the worker has no room for it now
+
+
+class Request(NamedTuple):
+    """A checked `encode` whose room is not open yet (its segments not yet taken)."""
+    msg: dict
+    req: wire.EncodeRequest
+    spans: list[int]
+    room: int
+    rid: str
+    arrival: float
 
 
 class IntakeStage(Stage):
     """Frames from the intake socket in; rooms to the reaper and sender, items to the cache.
 
-    A frame whose pixels the pixel arena has no room for waits (`stalled`), its segments
-    untouched, and no other frame is taken until it goes.
+    A request whose pixels the pixel arena has no room (or no free lease slot) for waits
+    (`stalled`), checked once, its segments untouched, and no other frame is taken until it
+    goes: the frames wait in the socket, whose high-water mark pushes back on the gateway.
 
     With a `journal` (the pipeline's), the room and segment names of the frame being
     handled are recorded in shared memory, so that the successor of an intake that died
@@ -59,7 +72,7 @@ class IntakeStage(Stage):
         self.endpoint = endpoint
         self.max_frame = max_frame
         self.journal = journal
-        self.stalled: tuple[bytes, float] | None = None  # (frame, arrival)
+        self.stalled: Request | None = None
         # Live rooms, counted at most every LIVE_RECOUNT_S and when the count reaches the
         # limit (a count scans the whole table); rooms accepted since are added, rooms
         # concluded since are not, so it errs high and is exact wherever it refuses.
@@ -95,34 +108,51 @@ class IntakeStage(Stage):
         self._handle(frame, time.monotonic())
 
     def tick(self, now: float) -> None:
-        if self.stalled is not None:
-            frame, arrival = self.stalled
-            self.stalled = None
-            self._handle(frame, arrival)
+        if self.stalled is None:
+            return
+        request, self.stalled = self.stalled, None
+        if self.refusing:
+            # The drain's end: the request it waited with fails as every later one does.
+            segments.close(segments.take(self.prefix, wire.shm_names(request.msg)))
+            self._fail_new_room(request.room, request.rid, self.refusing)
+            self._journal_done()
+        else:
+            self._try_open(request)
 
     def next_tick_in(self, now: float) -> float | None:
         return POLL_S if self.stalled is not None else None  # until the pixel arena has room
 
     def stats(self) -> dict:
-        return {"intake_dropped": dict(self.dropped), "intake_failed": dict(self.failed),
+        return {"intake_waiting": int(self.stalled is not None),
+                "intake_dropped": dict(self.dropped), "intake_failed": dict(self.failed),
                 "requests": dict(self.requests), "cache_key_id": wire.cache_key_id(self.content_key)}
 
     # ------------------------------------------------------------ one frame
     def _handle(self, frame: bytes, arrival: float) -> None:
-        if not self._take_frame(frame, arrival):
+        request = self._take_frame(frame, arrival)
+        if request is None:
+            self._journal_done()
+        else:
+            self._try_open(request)
+
+    def _try_open(self, request: Request) -> None:
+        if not self._open_room(*request):
             # The journal keeps naming its room and segments: they are still to be taken.
-            self.stalled = (frame, arrival)
+            self.stalled = request
             return
+        self._journal_done()
+
+    def _journal_done(self) -> None:
         if self.journal is not None:
             self.journal.record(None, [])
 
-    def _take_frame(self, frame: bytes, arrival: float) -> bool:
-        """Opens the frame's room, fails it, or drops the frame; False: the pixel arena is full."""
+    def _take_frame(self, frame: bytes, arrival: float) -> Request | None:
+        """The frame's request, checked; None if the frame was dropped or its room failed."""
         try:
             msg = wire.decode(frame)
         except ProtocolError as e:
             self._drop(str(e))
-            return True
+            return None
         room = wire.room_of(msg)
         if self.journal is not None:
             self.journal.record(room, wire.shm_names(msg))
@@ -130,7 +160,7 @@ class IntakeStage(Stage):
             # Nobody to answer, but the segments are still ours to remove.
             segments.close(segments.take(self.prefix, wire.shm_names(msg)))
             self._drop("room cannot be read")
-            return True
+            return None
         rid = msg.get("request_id") if isinstance(msg.get("request_id"), str) else ""
         rid = rid[: wire.MAX_REQUEST_ID]
         try:
@@ -138,8 +168,8 @@ class IntakeStage(Stage):
         except ProtocolError as e:
             segments.close(segments.take(self.prefix, wire.shm_names(msg)))
             self._fail_new_room(room, rid, str(e))
-            return True
-        return self._open_room(msg, req, spans, room, rid, arrival)
+            return None
+        return Request(msg, req, spans, room, rid, arrival)
 
     def _check(self, msg: dict, arrival: float) -> tuple[wire.EncodeRequest, list[int]]:
         """The request and each item's span; ProtocolError if this worker will not take it."""
@@ -172,7 +202,8 @@ class IntakeStage(Stage):
 
     def _open_room(self, msg: dict, req: wire.EncodeRequest, spans: list[int], room: int, rid: str,
                    arrival: float) -> bool:
-        # Space first: a full arena stalls the frame with its segments untouched.
+        """Opens the room, or fails it; False: the pixel arena has no room for it now."""
+        # Space first: a full arena stalls the request with its segments untouched.
         leases = self._alloc_pixels(req)
         if leases is None:
             return False
@@ -187,7 +218,7 @@ class IntakeStage(Stage):
             if isinstance(e, ProtocolError):
                 self._fail_new_room(room, rid, str(e))
             else:
-                self._not_inserted(room, e)
+                self._not_inserted(room, rid, e)
             return True
         self._live += 1
         self.requests[("accepted", "none")] += 1
@@ -207,9 +238,14 @@ class IntakeStage(Stage):
 
     def _alloc_pixels(self, req: wire.EncodeRequest) -> list[Lease] | None:
         """A lease in the pixel arena for each item, or None (and none taken) if it is full."""
+        if not self.pixel_arena.room_for([it.pixels.nbytes for it in req.items]):
+            return None  # tried again at every tick while it waits: cheaply
         leases: list[Lease] = []
         for it in req.items:
-            lease = self.pixel_arena.alloc(it.pixels.nbytes, OWNER_INTAKE)
+            try:
+                lease = self.pixel_arena.alloc(it.pixels.nbytes, OWNER_INTAKE)
+            except ArenaFull:  # every lease slot is live: as short of room as no space, waited for alike
+                lease = None
             if lease is None:
                 self._give_back(leases)
                 return None
@@ -250,7 +286,7 @@ class IntakeStage(Stage):
         try:
             slot = self.rooms.insert(room, rid or "?", 0, 1 << OWNER_INTAKE)
         except (TableFull, ValueError) as e:
-            self._not_inserted(room, e)
+            self._not_inserted(room, rid, e)
             return
         wire.count_reason(self.failed, reason.split(":")[0][:60])
         # One line per room would flood under overload; the reaper logs each failed room at INFO.
@@ -259,9 +295,17 @@ class IntakeStage(Stage):
         self.emit(registry.REAPER, RoomFailure(slot, room, reason))
         self.custody.release(slot, room)
 
-    def _not_inserted(self, room: int, e: TableFull | ValueError) -> None:
+    def _not_inserted(self, room: int, rid: str, e: TableFull | ValueError) -> None:
         if isinstance(e, TableFull):
-            self._drop(f"room table full: {e}")
+            # Answered, not dropped: the reaper tells the room's receivers, who would
+            # otherwise wait for bootstrap_timeout_s to hear of a room nobody holds.
+            reason = (f"{BUSY}: room table full ({self.rooms.capacity} rooms, live and concluded: "
+                      f"max_live_rooms + max_tombstones); send it again later")
+            wire.count_reason(self.failed, BUSY)
+            self.requests[("rejected", reason_class(reason))] += 1
+            self._log_once(f"room failed at intake: {reason}")
+            log.debug("room failed at intake: room=%d request_id=%s reason=%s", room, rid, reason)
+            self.emit(registry.REAPER, RoomFailure(None, room, reason))
         elif self.rooms.find(room) is None:
             raise e
         else:
