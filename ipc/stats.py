@@ -1,5 +1,5 @@
 """Counters that stages keep and the supervisor reads: latency histograms with fixed
-buckets, and the bounded class of a free-text failure reason.
+buckets, and the bounded label of a failure (its ReasonCode; else its text's class).
 
 Plain Python, no prometheus_client: every stage imports this, and only the process
 that serves the metrics endpoint needs the exporter (pipeline/metrics.py).
