@@ -9,7 +9,7 @@ from typing import NamedTuple
 from ipc import wire
 from ipc.arena import Arena, ArenaFull, Lease
 from ipc.rooms import RoomState, RoomTable, TableFull
-from ipc.stats import reason_class
+from ipc.stats import ReasonCode, reason_class
 from ipc.wire import ProtocolError
 from stages import registry, segments
 from stages.base import POLL_S, Stage
@@ -302,10 +302,10 @@ class IntakeStage(Stage):
             reason = (f"{BUSY}: room table full ({self.rooms.capacity} rooms, live and concluded: "
                       f"max_live_rooms + max_tombstones); send it again later")
             wire.count_reason(self.failed, BUSY)
-            self.requests[("rejected", reason_class(reason))] += 1
+            self.requests[("rejected", ReasonCode.TABLE_FULL.value)] += 1
             self._log_once(f"room failed at intake: {reason}")
             log.debug("room failed at intake: room=%d request_id=%s reason=%s", room, rid, reason)
-            self.emit(registry.REAPER, RoomFailure(None, room, reason))
+            self.emit(registry.REAPER, RoomFailure(None, room, reason, ReasonCode.TABLE_FULL))
         elif self.rooms.find(room) is None:
             raise e
         else:

@@ -143,6 +143,7 @@ def test_full_room_table_answers_worker_busy(shm_prefix):
             assert dest == registry.REAPER and isinstance(rec, RoomFailure)
             assert rec.slot is None and rec.room == room
             assert rec.reason.startswith("worker busy: room table full"), rec.reason
+            assert rec.code == "table_full"
         stats = rig.stage.stats()
         assert stats["intake_failed"] == {"worker busy": 2} and not stats["intake_dropped"], stats
     finally:
