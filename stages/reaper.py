@@ -26,7 +26,7 @@ from ipc.receivers import ReceiverTable
 from ipc.rooms import RoomState, RoomTable, TableFull
 from ipc.told import ToldTable, incarnation
 from ipc import wire
-from ipc.stats import Histogram, reason_class
+from ipc.stats import Histogram, ReasonCode, reason_class
 from ipc.wire import Register
 from stages import registry
 from stages.base import Stage
@@ -69,6 +69,10 @@ class ReaperStage(Stage):
         self.max_deadline_s = max_deadline_s
         self.allocated: dict[int, set[str]] = {}  # receivers known to have allocated for a room
         self.reasons: dict[int, str] = {}        # failed rooms awaiting their fence
+        self.codes: dict[int, str] = {}          # their ReasonCodes, until concluded
+        # Rooms failed while the room table was full ("worker busy: ..."): what their allocs
+        # hear, as long as their tombstone lasts (it bounds this too).
+        self.untabled: dict[int, str] = {}
         self.deadlines: list[tuple[float, int, int]] = []  # a heap of (deadline, slot, room)
         self._prune_at = 64
         self.tombstones: OrderedDict[int, tuple[float, int]] = OrderedDict()  # room -> (concluded, slot)
@@ -144,7 +148,7 @@ class ReaperStage(Stage):
                 capped = deadline < entry.deadline
                 self._fail(RoomFailure(slot, room, f"deadline exceeded (deadline_ms, capped at max_deadline_s "
                                                    f"{self.max_deadline_s:g} s)" if capped else
-                                                   "deadline exceeded (deadline_ms)"))
+                                                   "deadline exceeded (deadline_ms)", ReasonCode.DEADLINE))
         self._expire_tombstones(now)
         self.pusher.tick()
 
@@ -205,7 +209,8 @@ class ReaperStage(Stage):
             # that receiver's statuses to the endpoint of its previous incarnation.
             self._reload_registrations()
         for slot, room in lost.rooms:
-            self._fail(RoomFailure(slot, room, lost.reason))
+            code = ReasonCode.STAGE_DIED if lost.died else ReasonCode.SHUTDOWN  # "": a drain's end
+            self._fail(RoomFailure(slot, room, lost.reason, code))
             if writes_gone:
                 # The sender's process is gone, and its writes with it: that is the fence.
                 self._fenced(room, ())
@@ -271,7 +276,7 @@ class ReaperStage(Stage):
         that the sender `dropped` (could not hold) although the room is in the table."""
         entry = self._entry(room)
         if entry is None:
-            reason = unknown_reason
+            reason = self.untabled.get(room, unknown_reason)
             if room not in self.tombstones:
                 # Whom we told about a room we never had is remembered as long as a
                 # tombstone, and as boundedly: hostile allocs must not grow `told`.
@@ -313,12 +318,16 @@ class ReaperStage(Stage):
             except TableFull:
                 log.error("room failed but the room table is full: room=%d reason=%s", f.room, f.reason)
                 self.emit(registry.SENDER, Fence(f.room))
+                if f.room not in self.tombstones:
+                    self.tombstones[f.room] = (time.monotonic(), None)
+                    self.untabled[f.room] = f.reason
                 return
         entry = self.rooms.get(slot)
         if (entry is None or entry.room != f.room or entry.state >= RoomState.SUCCESS
                 or f.room in self.reasons):
             return
         self.reasons[f.room] = f.reason
+        self.codes[f.room] = f.code
         self.to_mark.append((slot, f.room, f.reason))
         self.emit(registry.SENDER, Fence(f.room))
         self.emit(registry.CACHE, RoomAbandoned(f.room))
@@ -344,6 +353,7 @@ class ReaperStage(Stage):
             # successor keeps as an unknown room's tombstone, already expired.
             self.told.forget(room)
             self.allocated.pop(room, None)
+            self.untabled.pop(room, None)
 
     def bound_of(self, entry) -> float:
         """When a room must have concluded, whatever died: its deadline or the bootstrap
@@ -400,7 +410,8 @@ class ReaperStage(Stage):
 
     def _concluded(self, room: int, slot: int, outcome: str, reason: str) -> None:
         self.outcomes[outcome] += 1
-        self.concluded_by_reason[(outcome, reason_class(reason) if outcome == "failed" else "none")] += 1
+        code = self.codes.pop(room, "")  # "": a raise site that sets none yet, classed by its text
+        self.concluded_by_reason[(outcome, reason_class(reason, code) if outcome == "failed" else "none")] += 1
         entry = self.rooms.get(slot)
         if entry is not None and entry.room == room and entry.concluded:
             self.latency.observe(max(0.0, entry.concluded - entry.created))

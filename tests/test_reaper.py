@@ -624,3 +624,16 @@ def test_registrations_the_sender_freed_leave_the_reaper_too(tables):
     assert set(pusher.endpoints) == set(stage.registrations)  # bounded, the same in both
     assert "rx19" in stage.registrations and "rx0" not in stage.registrations
     stage.close()
+
+
+def test_a_room_failed_while_the_table_is_full_tells_its_allocs_why(tables, rooms):
+    """Intake fails a request the full room table cannot take ("worker busy: ..."): the
+    room has no slot, yet a receiver that allocs for it hears that reason, not "unknown room"."""
+    stage, pusher, emitted = make_reaper(tables)
+    for room in range(1000, 1000 + rooms.capacity):
+        rooms.insert(room, "filler", 1, OWNER_INTAKE)
+    feed(stage, "intake", RoomFailure(None, 99, "worker busy: room table full"))
+    assert ("sender", Fence(99)) in emitted
+    feed(stage, "sender", UnknownRoom(99, RECEIVER, "unknown room"))
+    assert [(m["state"], m["reason"]) for _, m in pusher.sent] == [("failed", "worker busy: room table full")]
+    stage.close()
