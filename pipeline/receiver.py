@@ -41,8 +41,15 @@ class Receiver:
 
     def __init__(self, receiver_id: str, bootstrap: str | list[str], *, buffer_bytes: int = 256 << 20,
                  hostname: str = "127.0.0.1", protocol_name: str = "tcp",
-                 status_endpoint: str | None = None, ctx: zmq.Context | None = None):
+                 status_endpoint: str | None = None, ctx: zmq.Context | None = None,
+                 register_every_s: float = 60.0):
         self.id = receiver_id
+        # A worker lets a registration that owns no room expire after a while idle (its
+        # registration_idle_s), or give way to newer ones when its table is full: an alloc
+        # this long after the last register goes behind a fresh one, so that it is never
+        # dropped as "from unregistered receiver" (a register repeated unchanged changes nothing).
+        self.register_every_s = register_every_s
+        self.registered_at: dict[str, float] = {}  # bootstrap endpoint -> when last registered
         self.engine = Engine(hostname, protocol_name)
         raw = np.empty(buffer_bytes + 4096, dtype=np.uint8)
         raw.fill(0)  # touch every page now: writes into unfaulted pages run ~5x slower
@@ -84,11 +91,12 @@ class Receiver:
         sock.setsockopt(zmq.LINGER, 2000)
         sock.connect(bootstrap)
         self.workers[bootstrap] = sock
-        self._send(self._register_msg(), bootstrap)
+        self._register_with(bootstrap)
 
     def remove_worker(self, bootstrap: str) -> None:
         """Stop talking to a worker (taken off the ring); rooms routed to it stay routed."""
         self.workers.pop(bootstrap).close()
+        self.registered_at.pop(bootstrap, None)
 
     def _send(self, msg: dict, worker: str) -> None:
         self.workers[worker].send(wire.encode({"v": wire.VERSION, "receiver": self.id, **msg}))
@@ -99,7 +107,11 @@ class Receiver:
     def register(self) -> None:
         """(Re-)register with every worker."""
         for worker in self.workers:
-            self._send(self._register_msg(), worker)
+            self._register_with(worker)
+
+    def _register_with(self, worker: str) -> None:
+        self._send(self._register_msg(), worker)
+        self.registered_at[worker] = time.monotonic()
 
     def route(self, room: int, worker: str) -> None:
         """Send this room's allocs and cancel to `worker` (a bootstrap endpoint)."""
@@ -134,6 +146,8 @@ class Receiver:
         shard = Shard(room, item, row_start, n_rows, hidden, deepstack_width, dtype,
                       offset, offset + main_bytes, nbytes)
         self.shards[(room, item)] = shard
+        if time.monotonic() - self.registered_at.get(worker, 0.0) > self.register_every_s:
+            self._register_with(worker)
         early = self.early_failed.pop(room, None)
         if early is not None and room not in self.failed:
             self.failed[room] = early["reason"]

@@ -285,3 +285,17 @@ def test_an_idle_registration_expires_and_registering_again_serves(env):
     assert rx.wait({room: 1}, 60) and room not in rx.failed, rx.failed.get(room)
     assert_rows(rx, room, it)
     assert_alive(w)
+
+
+def test_a_receiver_quiet_past_its_register_interval_registers_again_before_it_allocs(env):
+    """Without a register of its own, an honest receiver whose registration expired while
+    it was quiet is served: `Receiver` registers again before an alloc once
+    `register_every_s` has passed since its last register."""
+    w, client, made = env(registration_idle_s=2.0)
+    rx = Receiver("rx", w.cfg.bootstrap, buffer_bytes=8 << 20, register_every_s=1.0)
+    made.append(rx)
+    assert wait_for(lambda: stat(w, "receivers_expired") >= 1), w.stats()
+    room, it = serve_one(client, rx, 6)
+    assert rx.wait({room: 1}, 60) and room not in rx.failed, rx.failed.get(room)
+    assert_rows(rx, room, it)
+    assert_alive(w)
