@@ -99,7 +99,7 @@ class IntakeStage(Stage):
             segments.unlink_left(self.prefix, name)
         self.journal.record(None, [])
         if room is not None and self.rooms.find(room) is None:
-            self.emit(registry.REAPER, RoomFailure(None, room, "the intake stage died while it held this room"))
+            self.emit(registry.REAPER, RoomFailure(None, room, "the intake stage died while it held this room", ReasonCode.STAGE_DIED))
 
     def refuse(self, reason: str) -> None:
         self.refusing = reason
@@ -114,7 +114,7 @@ class IntakeStage(Stage):
         if self.refusing:
             # The drain's end: the request it waited with fails as every later one does.
             segments.close(segments.take(self.prefix, wire.shm_names(request.msg)))
-            self._fail_new_room(request.room, request.rid, self.refusing)
+            self._fail_new_room(request.room, request.rid, self.refusing, ReasonCode.SHUTDOWN)
             self._journal_done()
         else:
             self._try_open(request)
@@ -282,7 +282,8 @@ class IntakeStage(Stage):
         return None if hasher is None else hasher.digest()
 
     # ------------------------------------------------------------ a frame that opens no room
-    def _fail_new_room(self, room: int, rid: str, reason: str) -> None:
+    def _fail_new_room(self, room: int, rid: str, reason: str, code: ReasonCode | str = "") -> None:
+        """`code` "": a protocol error, classed by its text (wire.ProtocolError carries none)."""
         try:
             slot = self.rooms.insert(room, rid or "?", 0, 1 << OWNER_INTAKE)
         except (TableFull, ValueError) as e:
@@ -291,8 +292,8 @@ class IntakeStage(Stage):
         wire.count_reason(self.failed, reason.split(":")[0][:60])
         # One line per room would flood under overload; the reaper logs each failed room at INFO.
         log.debug("room failed at intake: room=%d request_id=%s reason=%s", room, rid, reason)
-        self.requests[("rejected", reason_class(reason))] += 1
-        self.emit(registry.REAPER, RoomFailure(slot, room, reason))
+        self.requests[("rejected", reason_class(reason, code))] += 1
+        self.emit(registry.REAPER, RoomFailure(slot, room, reason, code))
         self.custody.release(slot, room)
 
     def _not_inserted(self, room: int, rid: str, e: TableFull | ValueError) -> None:

@@ -21,7 +21,7 @@ from ipc.held import HeldAllocs
 from ipc.receivers import MAX_RECEIVERS, ReceiverTable
 from ipc.rooms import RoomState, RoomTable
 from ipc import wire
-from ipc.stats import Histogram
+from ipc.stats import Histogram, ReasonCode
 from ipc.wire import Alloc, Cancel, ProtocolError, Register
 from stages import registry
 from stages.alloc_checks import RowShape, alloc_problem, tiling_problem
@@ -299,7 +299,7 @@ class SenderStage(Stage):
         except StaleLease:
             tx = self.live.get(r.room)
             if tx is not None:
-                self._fail(r.room, tx, f"embedding was lost before it could be sent ({source} died)")
+                self._fail(r.room, tx, f"embedding was lost before it could be sent ({source} died)", ReasonCode.STAGE_DIED)
             return
         tx = self.live.get(r.room)
         if tx is None:
@@ -338,14 +338,14 @@ class SenderStage(Stage):
         it = tx.items[a.item] if a.item < len(tx.items) else None
         problem = alloc_problem(a, tx.spans, it.allocs if it else (), self.shape)
         if problem:
-            self._fail(a.room, tx, problem)
+            self._fail(a.room, tx, problem, ReasonCode.BAD_ALLOC)
             return
         it.allocs.append(a)
         it.fanout = a.fanout
         if len(it.allocs) == it.fanout:
             problem = tiling_problem(a.item, tx.spans[a.item], it.allocs)
             if problem:
-                self._fail(a.room, tx, problem)
+                self._fail(a.room, tx, problem, ReasonCode.BAD_ALLOC)
                 return
             self._maybe_start(a.room, tx, a.item)
 
@@ -377,7 +377,7 @@ class SenderStage(Stage):
         it.started = True
         self.alloc_wait.observe(max(0.0, time.monotonic() - it.ready_at))  # ~0 when the allocs came first
         if not self.arena.valid(it.ready.lease):
-            self._fail(room, tx, "embedding was reclaimed before it could be sent")
+            self._fail(room, tx, "embedding was reclaimed before it could be sent", ReasonCode.STAGE_DIED)
             return
         # no owner: the table's holders field is the custody bit mask, which a number would overwrite
         self.rooms.advance(tx.slot, room, RoomState.TRANSFERRING)
@@ -390,7 +390,7 @@ class SenderStage(Stage):
                 # The receiver registered again since under another session (a restarted
                 # process): the addresses this alloc named are its predecessor's.
                 self._fail(room, tx, f"receiver {a.receiver} registered again with another session after "
-                                     f"its alloc for item {item}: the buffers it named are gone")
+                                     f"its alloc for item {item}: the buffers it named are gone", ReasonCode.BAD_ALLOC)
                 return
         for a in it.allocs:
             if not a.n_rows:
@@ -408,7 +408,7 @@ class SenderStage(Stage):
                 pending = self.engine.submit(session, srcs, dsts, lens)
             except Exception as e:  # the transport names the cause
                 self.transfer_failures += 1
-                self._fail(room, tx, f"transfer to receiver {a.receiver} could not start: {e}")
+                self._fail(room, tx, f"transfer to receiver {a.receiver} could not start: {e}", ReasonCode.TRANSFER_ERROR)
                 return
             tx.writes.append(_Write(item, a.receiver, pending, time.monotonic()))
             self.writing.add(room)
@@ -446,7 +446,7 @@ class SenderStage(Stage):
                 self.emit(registry.REAPER, ShardWritten(room, w.item, w.receiver))
             elif not ok:
                 reason = getattr(w.pending, "error", "") or "write failed"
-                self._fail(room, tx, f"transfer to receiver {w.receiver} failed: {reason}")
+                self._fail(room, tx, f"transfer to receiver {w.receiver} failed: {reason}", ReasonCode.TRANSFER_ERROR)
             if not it.writes_left and not tx.failing:
                 self._item_done(room, tx, w.item)
         tx.writes = still
@@ -466,7 +466,7 @@ class SenderStage(Stage):
                     if entry is not None and entry.created < self.started_at:
                         reason += ("; the sender stage was restarted after the room arrived, "
                                    "and allocs its predecessor had received were lost with it")
-                    self._fail(room, tx, reason)
+                    self._fail(room, tx, reason, ReasonCode.BOOTSTRAP_TIMEOUT)
                     break
         for room, held in list(self.held.items()):
             keep = []
@@ -484,9 +484,9 @@ class SenderStage(Stage):
                 del self.held[room]
 
     # ------------------------------------------------------------ failing
-    def _fail(self, room: int, tx: _RoomTx, reason: str) -> None:
+    def _fail(self, room: int, tx: _RoomTx, reason: str, code: ReasonCode) -> None:
         if not tx.failing:
-            self.emit(registry.REAPER, RoomFailure(tx.slot, room, reason))
+            self.emit(registry.REAPER, RoomFailure(tx.slot, room, reason, code))
             self._fence(room)
 
     def _fence(self, room: int) -> None:
@@ -542,9 +542,9 @@ class SenderStage(Stage):
     def _on_cancel(self, c: Cancel) -> None:
         tx = self.live.get(c.room)
         if tx is not None:
-            self._fail(c.room, tx, "canceled")
+            self._fail(c.room, tx, "canceled", ReasonCode.CANCELED)
         elif c.room in self.held:
-            self.emit(registry.REAPER, RoomFailure(None, c.room, "canceled"))
+            self.emit(registry.REAPER, RoomFailure(None, c.room, "canceled", ReasonCode.CANCELED))
         else:
             self._drop("cancel of a room this worker does not hold")
 
