@@ -56,3 +56,15 @@ def pytest_sessionfinish(session, exitstatus):
     if new:
         print(f"\n/dev/shm holds new entries after the test session: {new}")
         session.exitstatus = 1
+
+
+@pytest.fixture
+def root_logger():
+    """The root logger, its handlers and level put back after the test."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield root
+    root.handlers[:] = handlers
+    root.setLevel(level)

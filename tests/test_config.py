@@ -187,15 +187,6 @@ def test_printed_configuration_loads_back_as_toml(tmp_path):
     assert list(as_json) == list(FIELDS)
 
 
-@pytest.fixture
-def root_logger():
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield root
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
 def test_setup_logging_format_and_level(root_logger, capsys):
     setup_logging(WorkerConfig(log_level="info"), "sender")
     log = logging.getLogger("epd.test")

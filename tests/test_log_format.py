@@ -17,15 +17,6 @@ from tests.helpers import PipelineWorker, ThreadedWorker, image, sim_config
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture
-def root_logger():
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield root
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
 @pytest.mark.parametrize("mode", ["pipeline", "inprocess"])
 def test_json_lines_from_every_process(mode, shm_prefix, tmp_path, capfd, root_logger):
     cfg = sim_config(shm_prefix, tmp_path, log_format="json", log_level="INFO", max_items_per_request=1)
