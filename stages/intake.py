@@ -58,6 +58,7 @@ class IntakeStage(Stage):
         super().__init__(emit, custody)
         # Pixels are hashed under the run's secret key (the cache keys items by it): no peer can compute a key.
         self.content_key = content_key if content_key is not None else wire.new_cache_key()
+        self.content_key_id = wire.cache_key_id(self.content_key)
         self.prefix = prefix
         self.pixel_arena = pixel_arena
         self.rooms = rooms
@@ -128,7 +129,7 @@ class IntakeStage(Stage):
     def stats(self) -> dict:
         return {"intake_waiting": int(self.stalled is not None),
                 "intake_dropped": dict(self.dropped), "intake_failed": dict(self.failed),
-                "requests": dict(self.requests), "cache_key_id": wire.cache_key_id(self.content_key)}
+                "requests": dict(self.requests), "cache_key_id": self.content_key_id}
 
     # ------------------------------------------------------------ one frame
     def _handle(self, frame: bytes, arrival: float) -> None:
