@@ -227,9 +227,11 @@ class FrameQueue:
         with self.changed:
             if not self.frames:
                 raise queue.Empty
+            was_full = self.full()
             frame = self.frames.popleft()
             self.bytes -= len(frame)
-            self.changed.notify()
+            if was_full:  # only then can the reader be waiting for room
+                self.changed.notify()
             return frame
 
     def wait_for_room(self, timeout: float) -> bool:
