@@ -100,8 +100,7 @@ class IntakeStage(Stage):
             segments.unlink_left(self.prefix, name)
         self.journal.record(None, [])
         if room is not None and self.rooms.find(room) is None:
-            self.emit(registry.REAPER, RoomFailure(None, room, "the intake stage died while it held this room",
-                                                   ReasonCode.STAGE_DIED))
+            self.emit(registry.REAPER, RoomFailure(None, room, "the intake stage died while it held this room", ReasonCode.STAGE_DIED))
 
     def refuse(self, reason: str) -> None:
         self.refusing = reason
@@ -112,8 +111,6 @@ class IntakeStage(Stage):
     def tick(self, now: float) -> None:
         if self.stalled is None:
             return
-        if not self.refusing and not self.pixel_arena.room_for([it.pixels.nbytes for it in self.stalled.req.items]):
-            return  # waits on: a cheap test at every tick, rather than allocs taken and given back
         request, self.stalled = self.stalled, None
         if self.refusing:
             # The drain's end: the request it waited with fails as every later one does.
@@ -242,6 +239,8 @@ class IntakeStage(Stage):
 
     def _alloc_pixels(self, req: wire.EncodeRequest) -> list[Lease] | None:
         """A lease in the pixel arena for each item, or None (and none taken) if it is full."""
+        if not self.pixel_arena.room_for([it.pixels.nbytes for it in req.items]):
+            return None  # tried again at every tick while it waits: cheaply
         leases: list[Lease] = []
         for it in req.items:
             try:
