@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from ipc import shm
+from pipeline.exposure import exposure_problem
 from stages import registry
 from stages.embedding_cache import read_key_file
 from stages.towers import TOWER_SETTINGS, TOWERS, SettingError
@@ -84,6 +85,13 @@ class WorkerConfig:
                               "(default: ipc://<run_dir>/intake.sock)")
     bootstrap: str = setting("tcp://127.0.0.1:17600", "tcp:// endpoint receivers send register, alloc "
                                                       "and cancel to")
+    curve_cert: str = setting("", "the worker's CurveZMQ secret certificate (a zmq.auth .key_secret file): "
+                                  "intake, bootstrap and status sockets then use CURVE ('' for none)")
+    curve_clients: str = setting("", "a directory of the public certificates (zmq.auth .key files) of the "
+                                     "gateways and receivers allowed, with curve_cert")
+    allow_insecure_network: bool = setting(False, "bind intake and bootstrap to an address other than "
+                                                  "loopback or ipc:// without CurveZMQ (anyone who reaches "
+                                                  "them may send encodes, register and cancel)")
     hostname: str = setting("127.0.0.1", "the Mooncake engine's local address")
     protocol: str = setting("tcp", "Mooncake protocol: tcp, or rdma when configured")
     device: str = setting("", "RDMA device names, when protocol is rdma")
@@ -229,6 +237,14 @@ class WorkerConfig:
             raise ConfigError(f"intake must be an ipc:// or tcp:// endpoint, got {self.intake!r}", "intake")
         if not self.bootstrap.startswith("tcp://"):
             raise ConfigError(f"bootstrap must be a tcp:// endpoint, got {self.bootstrap!r}", "bootstrap")
+        if bool(self.curve_cert) != bool(self.curve_clients):
+            raise ConfigError("curve_cert and curve_clients go together: set both for CurveZMQ, or neither",
+                              "curve_cert" if not self.curve_cert else "curve_clients")
+        for name in ("intake", "bootstrap"):
+            problem = exposure_problem(getattr(self, name), name, bool(self.curve_cert),
+                                       self.allow_insecure_network)
+            if problem:
+                raise ConfigError(problem, name)
         if self.metrics_endpoint:
             host, _, port = self.metrics_endpoint.rpartition(":")
             if not host or not port.isdigit() or int(port) > 65535:
