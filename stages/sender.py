@@ -122,8 +122,8 @@ class SenderStage(Stage):
         """A predecessor's registrations and held allocs, if there was one: they outlive it
         (and the reaper) in shared memory."""
         now = time.monotonic()  # how recently a predecessor heard from them died with it
-        for rx, (session, status) in self.registrations.load().items():
-            self.receivers[rx] = Register(rx, session, status)
+        for rx, (session, status, key) in self.registrations.load().items():
+            self.receivers[rx] = Register(rx, session, status, key)
             self.heard_at[rx] = now
         for slot, since, a in self.held_table.load():
             self.held.setdefault(a.room, []).append((since, a, slot))
@@ -136,7 +136,7 @@ class SenderStage(Stage):
 
     def handle(self, source: str, rec) -> None:
         match rec:
-            case bytes():
+            case bytes() | wire.KeyedFrame():
                 self._on_bootstrap(rec)
             case RoomOpened():
                 self._on_opened(rec)
@@ -180,18 +180,24 @@ class SenderStage(Stage):
                 "alloc_wait_seconds": self.alloc_wait.snapshot()}
 
     # ------------------------------------------------------------ inputs
-    def _on_bootstrap(self, frame: bytes) -> None:
+    def _on_bootstrap(self, frame: bytes | wire.KeyedFrame) -> None:
         now = time.monotonic()
+        key = frame.key if isinstance(frame, wire.KeyedFrame) else ""
         try:
-            msg = wire.decode(frame)
+            msg = wire.decode(frame.data if isinstance(frame, wire.KeyedFrame) else frame)
             m = wire.parse_bootstrap(msg)
         except ProtocolError as e:
             self._drop(f"bootstrap message: {e}")
             return
+        bound = self.receivers.get(m.receiver)
+        if bound is not None and bound.key != key:  # an id is its first key's while registered
+            self._drop(f"{type(m).__name__.lower()} naming a receiver registered under another key")
+            return
         if isinstance(m, Register):
+            m.key = key
             self._on_register(m, now)
             return
-        if m.receiver not in self.receivers:
+        if bound is None:
             self._drop(f"{type(m).__name__.lower()} from unregistered receiver")
             return
         self._heard(m.receiver, now)
@@ -214,7 +220,7 @@ class SenderStage(Stage):
             self.receivers_evicted += 1
         # In shared memory before anyone hears of it, so a restarted sender or reaper
         # knows every receiver that may send an alloc or wait for a status.
-        self.registrations.put(m.receiver, m.session, m.status)
+        self.registrations.put(m.receiver, m.session, m.status, m.key)
         self.receivers[m.receiver] = m
         self._heard(m.receiver, now)
         self.emit(registry.REAPER, Registered(m))
