@@ -84,7 +84,11 @@ class Pusher:
         self.sock.connect(endpoint)
 
     def send(self, msg: dict) -> None:
-        self.sock.send(wire.encode(msg))
+        """Sent, or dropped here once the server refused this peer (no connection is left to queue on)."""
+        try:
+            self.sock.send(wire.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
 
     def refused(self, timeout: float = 20.0) -> bool:
         """Whether the server refused the handshake (its key, or its mechanism)."""
