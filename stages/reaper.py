@@ -30,7 +30,7 @@ from ipc.stats import Histogram, ReasonCode, reason_class
 from ipc.wire import Register
 from stages import registry
 from stages.base import Stage
-from stages.records import (OWNER_REAPER, AllocSeen, Fence, Fenced, ItemDone, LateAlloc, Registered,
+from stages.records import (OWNER_REAPER, AllocSeen, Fence, Fenced, ItemDone, LateAlloc, Queried, Registered,
                             RoomAbandoned, RoomFailure, RoomOpened, RoomsLost, RoomSucceeded, ShardWritten,
                             UnknownRoom)
 from stages.status_pusher import StatusPusher
@@ -83,6 +83,7 @@ class ReaperStage(Stage):
         self.latency = Histogram()            # room opened to concluded, seconds
         self.to_mark: list[tuple[int, int, str]] = []  # (slot, room, reason): fenced, not yet Failed in the table
         self.unrecorded = 0  # statuses sent without a record (the told table was full)
+        self.query_answers = Counter()  # "repeat": statuses sent again; "none": nothing told yet
         self._watch_at = 0.0
 
     def start(self) -> None:
@@ -119,8 +120,8 @@ class ReaperStage(Stage):
                 self._registered(reg)
             case AllocSeen(room=room, receiver=receiver):
                 self.allocated.setdefault(room, set()).add(receiver)
-            case ShardWritten(room=room, item=item, receiver=receiver):
-                self._tell_success(room, item, receiver)
+            case ShardWritten(room=room, item=item, receiver=receiver, digest=digest):
+                self._tell_success(room, item, receiver, digest)
             case ItemDone(slot=slot, room=room, done=done_so_far):
                 # The count so far, not "one more": a successor handed the record its
                 # predecessor died with must not count the item twice (and end the room early).
@@ -134,6 +135,8 @@ class ReaperStage(Stage):
                 self._alloc_after_all(room, receiver, "unknown room", dropped=False)
             case UnknownRoom(room=room, receiver=receiver, reason=reason):
                 self._alloc_after_all(room, receiver, reason, dropped=True)
+            case Queried(room=room, receiver=receiver, pending=pending):
+                self._on_query(room, receiver, pending)
             case _:
                 raise ValueError(f"unknown event {rec!r}")
 
@@ -183,6 +186,7 @@ class ReaperStage(Stage):
     def stats(self) -> dict:
         return {"rooms": dict(self.outcomes), **self.pusher.stats(),
                 "status_unrecorded": self.unrecorded, "deadline_heap": len(self.deadlines),
+                "query_answers": dict(self.query_answers),
                 "rooms_concluded": dict(self.concluded_by_reason), "room_latency_seconds": self.latency.snapshot()}
 
     def close(self) -> None:
@@ -224,21 +228,43 @@ class ReaperStage(Stage):
             self._reload_registrations()
 
     def _reload_registrations(self) -> dict:
-        registered = self.receivers.load()
+        registered = self.receivers.registrations()
         for receiver in [r for r in self.registrations if r not in registered]:
             del self.registrations[receiver]
             self.pusher.forget(receiver)
-        for receiver, (session, status) in registered.items():
-            self.registrations[receiver] = Register(receiver, session, status)
-            self.pusher.register(receiver, status)
+        for receiver, reg in registered.items():
+            self.registrations[receiver] = reg
+            self.pusher.register(receiver, reg.status)
         return registered
 
-    def _tell_success(self, room: int, item: int, receiver: str) -> None:
+    def _tell_success(self, room: int, item: int, receiver: str, digest: bytes | None) -> None:
         who = self._incarnation(receiver)
         if self.told.told_failed(room, who) or self.told.told_success(room, item, who):
             return
         self._recorded(self.told.record_success(room, item, who, time.monotonic()))
-        self.pusher.send(receiver, wire.status_message(room, item, True))
+        self.pusher.send(receiver, wire.status_message(room, item, True, digest=digest))
+
+    def _on_query(self, room: int, receiver: str, pending: bool) -> None:
+        """Repeat what `receiver` was told of `room` (a status lost with a killed reaper or in
+        a socket's queue); if nothing, answer as a late alloc would, unless its status is
+        still to come. A repeated success carries no digest: the told table keeps none."""
+        if receiver not in self.registrations:
+            return
+        failed, items = self.told.told_to(room, self._incarnation(receiver))
+        if failed:
+            entry = self._entry(room)
+            reason = (entry.reason if entry is not None and entry.state == RoomState.FAILED
+                      else self.untabled.get(room, "room failed"))
+            self.pusher.send(receiver, wire.status_message(room, None, False, reason, repeat=True))
+        for item in [] if failed else sorted(items):
+            self.pusher.send(receiver, wire.status_message(room, item, True, repeat=True))
+        if failed or items:
+            self.query_answers["repeat"] += 1
+        elif pending or room in self.reasons:
+            self.query_answers["none"] += 1
+        else:
+            self.query_answers["late"] += 1
+            self._alloc_after_all(room, receiver, "unknown room", dropped=False)
 
     def _fenced(self, room: int, receivers) -> None:
         reason = self.reasons.pop(room, None)
@@ -399,7 +425,7 @@ class ReaperStage(Stage):
         heard, and it is told again. One that only moved its status endpoint is the same
         process, and hears nothing twice."""
         reg = self.registrations.get(receiver)
-        return receiver if reg is None else incarnation(receiver, reg.session)
+        return receiver if reg is None else incarnation(receiver, reg.session, reg.incarnation)
 
     def _recorded(self, ok: bool) -> None:
         if not ok:
