@@ -85,7 +85,7 @@ def send(client, rx, room: int, seed: int, grid=(1, 4, 8)) -> Item:
 
 # ---------------------------------------------------------------- digest
 
-def test_every_success_carries_its_rows_digest_and_a_mismatch_fails_the_item(mode, made, shm_prefix, tmp_path):
+def test_every_success_carries_its_rows_digest_and_a_mismatch_fails_the_item(mode, shm_prefix, tmp_path, made):
     w = started(made, start_worker(mode, sim_config(shm_prefix, tmp_path)))
     client = started(made, Client(w.cfg.intake, shm_prefix))
     rx = started(made, Receiver("rx0", w.cfg.bootstrap, buffer_bytes=8 << 20))
@@ -193,7 +193,7 @@ def room_state(w, room: int):
     return entry.state if entry is not None and entry.room == room else None
 
 
-def test_a_fenced_items_lease_lives_until_its_write_ends(mode, made, shm_prefix, tmp_path):
+def test_a_fenced_items_lease_lives_until_its_write_ends(mode, shm_prefix, tmp_path, made):
     w = started(made, start_worker(mode, sim_config(shm_prefix, tmp_path, **WIDE)))
     client = started(made, Client(w.cfg.intake, shm_prefix))
     rx = started(made, StalledReceiver("stalled", w.cfg.bootstrap))
@@ -219,7 +219,7 @@ def test_a_fenced_items_lease_lives_until_its_write_ends(mode, made, shm_prefix,
 
 # ---------------------------------------------------------------- query
 
-def test_a_lost_status_comes_again_on_query_and_a_repeat_is_dropped(mode, made, shm_prefix, tmp_path):
+def test_a_lost_status_comes_again_on_query_and_a_repeat_is_dropped(mode, shm_prefix, tmp_path, made):
     w = started(made, start_worker(mode, sim_config(shm_prefix, tmp_path)))
     client = started(made, Client(w.cfg.intake, shm_prefix))
     rx = started(made, Receiver("rx0", w.cfg.bootstrap, buffer_bytes=8 << 20, query_after_s=0.5))
@@ -247,7 +247,7 @@ def test_a_lost_status_comes_again_on_query_and_a_repeat_is_dropped(mode, made, 
 
 # ---------------------------------------------------------------- incarnation
 
-def test_an_alloc_of_an_older_incarnation_is_never_written(mode, made, shm_prefix, tmp_path):
+def test_an_alloc_of_an_older_incarnation_is_never_written(mode, shm_prefix, tmp_path, made):
     w = started(made, start_worker(mode, sim_config(shm_prefix, tmp_path)))
     client = started(made, Client(w.cfg.intake, shm_prefix))
     rx = started(made, Receiver("rx0", w.cfg.bootstrap, buffer_bytes=8 << 20, incarnation=1))
