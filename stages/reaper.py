@@ -23,6 +23,7 @@ from collections import Counter, OrderedDict
 import numpy as np
 
 from ipc.receivers import ReceiverTable
+from ipc import tcp_table
 from ipc.rooms import RoomState, RoomTable, TableFull
 from ipc.told import ToldTable, incarnation
 from ipc import wire
@@ -39,6 +40,11 @@ log = logging.getLogger("epd.reaper")
 
 WATCH_EVERY_S = 1.0
 RESTART_MARGIN_S = 5.0  # besides heartbeat_timeout_s: a dead or hung stage found, restarted, caught up
+# How long a dead sender's rooms wait for its orphaned connections to deliver what they
+# carry before their `failed` goes anyway: Mooncake's own bound on a write that makes no
+# progress (MC_TCP_PROGRESS_TIMEOUT_SEC, its default), which a live sender would have met.
+LATE_BYTES_BOUND_S = 30.0
+DRAIN_POLL_S = 0.05
 
 
 WATCHDOG = "room watchdog:"
@@ -82,6 +88,14 @@ class ReaperStage(Stage):
         self.concluded_by_reason = Counter()  # (outcome, reason class) -> rooms
         self.latency = Histogram()            # room opened to concluded, seconds
         self.to_mark: list[tuple[int, int, str]] = []  # (slot, room, reason): fenced, not yet Failed in the table
+        # A dead sender's rooms, failed, their `failed` held (with the receivers their fences
+        # named) until its orphaned connections have nothing left to deliver, or until
+        # drain_until: bytes it queued must not land in buffers a receiver reused.
+        self.draining: dict[int, set[str]] = {}
+        self.drain_until = 0.0
+        self._drain_at = 0.0
+        self.late_bytes_waits = 0  # sender deaths that left bytes on their way, and were waited for
+        self.waited = False
         self.unrecorded = 0  # statuses sent without a record (the told table was full)
         self.query_answers = Counter()  # "repeat": statuses sent again; "none": nothing told yet
         self._watch_at = 0.0
@@ -152,13 +166,16 @@ class ReaperStage(Stage):
                 self._fail(RoomFailure(slot, room, f"deadline exceeded (deadline_ms, capped at max_deadline_s "
                                                    f"{self.max_deadline_s:g} s)" if capped else
                                                    "deadline exceeded (deadline_ms)", ReasonCode.DEADLINE))
+        if self.draining and now >= self._drain_at:
+            self._drain_at = now + DRAIN_POLL_S
+            self._tell_drained(now)
         self._expire_tombstones(now)
         self.pusher.tick()
 
     def next_tick_in(self, now: float) -> float | None:
         due = min(self.deadlines[0][0], self._watch_at) if self.deadlines else self._watch_at
-        if self.pusher.n_waiting:  # statuses wait for a socket: one frees within its linger
-            due = min(due, now + 0.05)
+        if self.pusher.n_waiting or self.draining:  # a socket frees within its linger; bytes land
+            due = min(due, now + DRAIN_POLL_S)
         return max(0.0, due - now)
 
     def deadline_of(self, deadline: float, created: float) -> float:
@@ -186,7 +203,7 @@ class ReaperStage(Stage):
     def stats(self) -> dict:
         return {"rooms": dict(self.outcomes), **self.pusher.stats(),
                 "status_unrecorded": self.unrecorded, "deadline_heap": len(self.deadlines),
-                "query_answers": dict(self.query_answers),
+                "query_answers": dict(self.query_answers), "late_bytes_waits": self.late_bytes_waits,
                 "rooms_concluded": dict(self.concluded_by_reason), "room_latency_seconds": self.latency.snapshot()}
 
     def close(self) -> None:
@@ -216,8 +233,27 @@ class ReaperStage(Stage):
             code = ReasonCode.STAGE_DIED if lost.died else ReasonCode.SHUTDOWN  # "": a drain's end
             self._fail(RoomFailure(slot, room, lost.reason, code))
             if writes_gone:
-                # The sender's process is gone, and its writes with it: that is the fence.
-                self._fenced(room, ())
+                # No write of the sender's can start any more; what its connections had
+                # queued still lands: told once that is delivered (_tell_drained).
+                self.draining.setdefault(room, set())
+        if writes_gone and self.draining:
+            now = time.monotonic()
+            self.drain_until = now + LATE_BYTES_BOUND_S
+            self._drain_at = now + DRAIN_POLL_S
+            self.waited = False
+            self._tell_drained(now)
+
+    def _tell_drained(self, now: float) -> None:
+        """Fence the dead sender's rooms once its orphaned connections to the receivers'
+        hosts carry nothing more (ipc/tcp_table.py), or at the bound."""
+        hosts = tcp_table.host_addresses(r.session.rpartition(":")[0] for r in self.registrations.values())
+        if now < self.drain_until and tcp_table.late_bytes(hosts):
+            self.late_bytes_waits += not self.waited
+            self.waited = True
+            return
+        draining, self.draining = self.draining, {}
+        for room, receivers in draining.items():
+            self._fenced(room, receivers)
 
     def _registered(self, reg: Register) -> None:
         self.registrations[reg.receiver] = reg
@@ -267,6 +303,9 @@ class ReaperStage(Stage):
             self._alloc_after_all(room, receiver, "unknown room", dropped=False)
 
     def _fenced(self, room: int, receivers) -> None:
+        if room in self.draining:  # the fence a successor answers: bytes of its predecessor may still land
+            self.draining[room].update(receivers)
+            return
         reason = self.reasons.pop(room, None)
         if reason is None:
             entry = self._entry(room)
@@ -307,11 +346,11 @@ class ReaperStage(Stage):
                 # Whom we told about a room we never had is remembered as long as a
                 # tombstone, and as boundedly: hostile allocs must not grow `told`.
                 self.tombstones[room] = (time.monotonic(), None)
-        elif entry.state == RoomState.FAILED:
-            reason = entry.reason
-        elif room in self.reasons:  # failing, fence not yet answered: it will tell them
+        elif room in self.reasons:  # failing, fence not yet answered (or bytes landing): it tells them
             self.allocated.setdefault(room, set()).add(receiver)
             return
+        elif entry.state == RoomState.FAILED:
+            reason = entry.reason
         elif entry.state < RoomState.SUCCESS:
             # Live, and yet the sender answered: it fenced the room already (LateAlloc; a
             # dead predecessor of ours failed it, and its record or the watchdog fails it
