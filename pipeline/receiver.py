@@ -246,7 +246,7 @@ class Receiver:
                 return self._reject("after failed", f"success for room {room} item {item} after failed")
             if (room, item) in self.success:
                 return self._reject("second success", f"second success for room {room} item {item}")
-            if digest is not None and not self._digest_agrees(self.shards[(room, item)], digest):
+            if digest is not None and not self.digest_agrees(room, item, digest):
                 # Rows that are not what the worker wrote (bytes of another room landed
                 # over them, or the memory was reused too early): never used.
                 self.digest_mismatches += 1
@@ -268,7 +268,9 @@ class Receiver:
             self.failed[room] = reason
         return st
 
-    def _digest_agrees(self, s: Shard, digest: bytes) -> bool:
+    def digest_agrees(self, room: int, item: int, digest: bytes) -> bool:
+        """Do this receiver's rows of (room, item) hash to `digest` (a success's, protocol 1.1)?"""
+        s = self.shards[(room, item)]
         isz = wire.DTYPES[s.dtype]
         main = self.buffer[s.offset:s.offset + s.n_rows * s.hidden * isz]
         deep = self.buffer[s.ds_offset:s.ds_offset + s.n_rows * s.deepstack_width * isz]
