@@ -204,7 +204,7 @@ class SenderStage(Stage):
             reg = self.receivers[m.receiver]
             # An alloc that names its incarnation is bound to it: one of an older
             # incarnation than the registration's fails its room when its write would start.
-            m.session_hash = (reg.session_hash if m.incarnation is None
+            m.session_hash = (reg.session_hash if m.incarnation is None or reg.incarnation is None
                               else wire.binding_hash(reg.session, m.incarnation))
             self._on_alloc(m, now)
 

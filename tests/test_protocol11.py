@@ -268,3 +268,31 @@ def test_an_alloc_of_an_older_incarnation_is_never_written(mode, shm_prefix, tmp
     ok = next(_rooms)
     send(client, rx, ok, 7)
     assert rx.wait({ok: 1}, 30) and (ok, 0) in rx.success
+
+
+# ---------------------------------------------------------------- the wire and the tables
+
+def test_the_new_keys_parse_and_bad_ones_are_refused():
+    reg = {"v": 1, "type": "register", "receiver": "rx", "session": "127.0.0.1:7", "status": "tcp://127.0.0.1:8"}
+    assert wire.parse_bootstrap(reg).incarnation is None
+    assert wire.parse_bootstrap({**reg, "incarnation": 2**64 - 1}).incarnation == 2**64 - 1
+    assert wire.parse_bootstrap({"v": 1, "type": "query", "receiver": "rx", "room": 5}) == wire.Query("rx", 5)
+    for bad in ({**reg, "incarnation": -1}, {**reg, "incarnation": "1"}, {**reg, "session": "h:1\0x"},
+                {"v": 1, "type": "query", "receiver": "rx", "room": -5}):
+        with pytest.raises(wire.ProtocolError):
+            wire.parse_bootstrap(bad)
+    a, b = wire.Register("rx", "h:1", "tcp://h:2", 1), wire.Register("rx", "h:1", "tcp://h:2", 2)
+    assert len({a.session_hash, b.session_hash, wire.Register("rx", "h:1", "tcp://h:2").session_hash}) == 3
+
+
+def test_the_receiver_table_keeps_the_incarnation(shm_prefix):
+    from ipc.receivers import ReceiverTable
+    table = ReceiverTable.create(shm_prefix, "0000a11c", "receivers", 4)
+    try:
+        table.put("a", "h:1", "tcp://h:2", 7)
+        table.put("b", "h:3", "tcp://h:4")
+        assert table.registrations() == {"a": wire.Register("a", "h:1", "tcp://h:2", 7),
+                                         "b": wire.Register("b", "h:3", "tcp://h:4")}
+    finally:
+        table.close()
+        table.unlink()
