@@ -40,7 +40,7 @@ import numpy as np
 
 from . import shm
 from .shared_table import SlotTable
-from .wire import MAX_ID_CHARS
+from .wire import MAX_ID_CHARS, Register
 
 __all__ = ["KEY_CHARS", "MAX_RECEIVERS", "ReceiverTable", "TableFull", "registration_row"]
 
@@ -50,6 +50,7 @@ KEY_CHARS = 40  # a CurveZMQ public key in Z85
 _ROW = struct.Struct(f"<IHHH{_FIELD}s{_FIELD}s{_FIELD}s{KEY_CHARS}s")  # crc32, lengths, receiver, session, status, key
 _SLOT = (_ROW.size + 63) // 64 * 64
 _READ_SPINS = 64
+_INCARNATION = "\0"  # between a session and its incarnation; a session holds no NUL
 
 # Test hook: called with a point name inside a write (tests SIGKILL the process there).
 _fault_hook = None
@@ -136,10 +137,21 @@ class ReceiverTable(SlotTable):
                                                  key.rstrip(b"\0").decode())
         return None  # reused under us again and again, or damaged: not there, as far as this read knows
 
-    def put(self, receiver: str, session: str, status: str, key: str = "") -> None:
+    def registrations(self) -> dict[str, Register]:
+        """Every registration as the `register` that made it (incarnation and key included)."""
+        out = {}
+        for receiver, (stored, status, key) in self.load().items():
+            session, _, number = stored.partition(_INCARNATION)
+            out[receiver] = Register(receiver, session, status, int(number) if number else None, key)
+        return out
+
+    def put(self, receiver: str, session: str, status: str, incarnation: int | None = None,
+            key: str = "") -> None:
         """Record (or replace) a registration; TableFull when no slot is free. Writer only."""
         if self._slot_of is None:
             self.load()
+        if incarnation is not None:  # (protocol 1.1) kept in the session's field, after a NUL
+            session = f"{session}{_INCARNATION}{incarnation}"
         new = registration_row(self._next_gen, receiver, session, status, key)
         old = self._slot_of.get(receiver)
         for slot in self._stale:
