@@ -217,7 +217,7 @@ def test_a_reader_racing_the_writer_sees_each_registration_old_or_new(make, shm_
     receivers_mod._fault_hook = lambda point: seen.append((point, reader.load()))
     try:
         t.put("rx", "a:1", "tcp://a:1")
-        t.put("rx", "b:2", "tcp://b:2", "K" * KEY_CHARS)  # a CurveZMQ key goes with it
+        t.put("rx", "b:2", "tcp://b:2", key="K" * KEY_CHARS)  # a CurveZMQ key goes with it
         t.put("ry", "c:3", "tcp://c:3")
     finally:
         receivers_mod._fault_hook = None
