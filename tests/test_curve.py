@@ -159,7 +159,8 @@ def test_a_known_key_is_served_and_an_unknown_one_gets_nothing(curved, certs):
 def test_a_receiver_id_is_its_first_keys(curved, certs):
     """A peer with another admitted key cannot register, alloc or cancel under a receiver
     id registered under the first key: each is refused and counted, and the owner is
-    served as if nothing happened; in the pipeline the binding outlives a sender SIGKILLed."""
+    served as if nothing happened; in the pipeline the binding outlives a sender SIGKILLed,
+    and a reaper SIGKILLed still tells the owner over CURVE."""
     w = curved(bootstrap_timeout_s=30.0)
     made = curved.made
     client = Client(w.cfg.intake, None, **peer(certs, "gateway"))
@@ -201,6 +202,10 @@ def test_a_receiver_id_is_its_first_keys(curved, certs):
         os.kill(w.runtime.procs["sender"].pid, signal.SIGKILL)
         wait_for(lambda: w.runtime.restart_counts["sender"] >= 1, 60, "the sender was not restarted")
         steal_then_serve()  # the new sender's counters start at 0
+        # A restarted reaper reads the owner's key back with its registration and connects
+        # to the owner's status socket with it as the server's key, or the owner hears nothing.
+        os.kill(w.runtime.procs["reaper"].pid, signal.SIGKILL)
+        wait_for(lambda: w.runtime.restart_counts["reaper"] >= 1, 60, "the reaper was not restarted")
     serve_one(client, owner, next(_rooms), 3)  # still registered where it said
 
 
