@@ -272,3 +272,19 @@ def test_off_loopback_passes_with_the_flag_or_curve(how, shm_prefix, tmp_path, c
         assert code == 2 and "holds no secret key" in err, err
     else:
         assert code == 3 and "could not start" in err and "is not loopback" not in err, (code, err)
+
+
+def test_certificate_files_are_checked_where_they_are_given(certs, tmp_path):
+    """Both files or neither; a public certificate where a secret one is needed, or a
+    directory of no certificates, is refused with a reason (exit 2 at the worker)."""
+    with pytest.raises(ValueError, match="go together"):
+        Client("ipc:///nowhere", None, curve_cert=certs["gateway"])
+    with pytest.raises(ValueError, match="go together"):
+        Receiver("rx", "tcp://127.0.0.1:1", buffer_bytes=1 << 20, worker_cert=certs["worker_public"])
+    with pytest.raises(ValueError, match="holds no secret key"):
+        curve.load_keypair(certs["worker_public"])
+    with pytest.raises(ValueError, match="cannot read"):
+        curve.load_public(str(tmp_path / "missing.key"))
+    with pytest.raises(ValueError, match="holds no public CurveZMQ certificate"):
+        curve.load_allowed(str(tmp_path))
+    assert len(curve.load_allowed(certs["clients"])) == 3
