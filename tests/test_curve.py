@@ -159,7 +159,8 @@ def test_a_known_key_is_served_and_an_unknown_one_gets_nothing(curved, certs):
 def test_a_receiver_id_is_its_first_keys(curved, certs):
     """A peer with another admitted key cannot register, alloc or cancel under a receiver
     id registered under the first key: each is refused and counted, and the owner is
-    served as if nothing happened; in the pipeline the binding outlives a sender SIGKILLed."""
+    served as if nothing happened; in the pipeline the binding outlives a sender SIGKILLed,
+    and a reaper SIGKILLed still tells the owner over CURVE."""
     w = curved(bootstrap_timeout_s=30.0)
     made = curved.made
     client = Client(w.cfg.intake, None, **peer(certs, "gateway"))
@@ -201,6 +202,10 @@ def test_a_receiver_id_is_its_first_keys(curved, certs):
         os.kill(w.runtime.procs["sender"].pid, signal.SIGKILL)
         wait_for(lambda: w.runtime.restart_counts["sender"] >= 1, 60, "the sender was not restarted")
         steal_then_serve()  # the new sender's counters start at 0
+        # A restarted reaper reads the owner's key back with its registration and connects
+        # to the owner's status socket with it as the server's key, or the owner hears nothing.
+        os.kill(w.runtime.procs["reaper"].pid, signal.SIGKILL)
+        wait_for(lambda: w.runtime.restart_counts["reaper"] >= 1, 60, "the reaper was not restarted")
     serve_one(client, owner, next(_rooms), 3)  # still registered where it said
 
 
@@ -267,3 +272,19 @@ def test_off_loopback_passes_with_the_flag_or_curve(how, shm_prefix, tmp_path, c
         assert code == 2 and "holds no secret key" in err, err
     else:
         assert code == 3 and "could not start" in err and "is not loopback" not in err, (code, err)
+
+
+def test_certificate_files_are_checked_where_they_are_given(certs, tmp_path):
+    """Both files or neither; a public certificate where a secret one is needed, or a
+    directory of no certificates, is refused with a reason (exit 2 at the worker)."""
+    with pytest.raises(ValueError, match="go together"):
+        Client("ipc:///nowhere", None, curve_cert=certs["gateway"])
+    with pytest.raises(ValueError, match="go together"):
+        Receiver("rx", "tcp://127.0.0.1:1", buffer_bytes=1 << 20, worker_cert=certs["worker_public"])
+    with pytest.raises(ValueError, match="holds no secret key"):
+        curve.load_keypair(certs["worker_public"])
+    with pytest.raises(ValueError, match="cannot read"):
+        curve.load_public(str(tmp_path / "missing.key"))
+    with pytest.raises(ValueError, match="holds no public CurveZMQ certificate"):
+        curve.load_allowed(str(tmp_path))
+    assert len(curve.load_allowed(certs["clients"])) == 3
