@@ -191,6 +191,13 @@ class SenderStage(Stage):
         if isinstance(m, Register):
             self._on_register(m, now)
             return
+        if isinstance(m, Alloc) and m.session is not None:
+            # Self-describing: it registers its receiver as a register would, so that a
+            # receiver that never registers again (tokenspeed's prefill) outlives our restarts.
+            reg = self.receivers.get(m.receiver)
+            if reg is None or (reg.session, reg.status) != (m.session, m.status):
+                self._on_register(Register(m.receiver, m.session, m.status), now)
+            m.session = m.status = None  # registered: a held copy (ipc/held.py) need not carry them
         if m.receiver not in self.receivers:
             self._drop(f"{type(m).__name__.lower()} from unregistered receiver")
             return

@@ -21,6 +21,8 @@ from collections import OrderedDict
 
 import zmq
 
+from ipc import wire
+
 # Its warnings are the reaper's: operators find them under the reaper's logger.
 log = logging.getLogger("epd.reaper")
 
@@ -124,7 +126,10 @@ class StatusPusher:
         if sock is None:
             return False
         try:
-            sock.send(frame, zmq.NOBLOCK)
+            if endpoint.startswith(wire.TOKENSPEED_STATUS):
+                sock.send_multipart(wire.tokenspeed_status(frame), zmq.NOBLOCK)
+            else:
+                sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:
             self._undelivered(receiver, f"its queue is full (status_hwm {self.hwm})")
         self.used_at[receiver] = self.clock()
@@ -155,7 +160,7 @@ class StatusPusher:
         sock.setsockopt(zmq.SNDHWM, self.hwm)
         sock.setsockopt(zmq.IMMEDIATE, 0)
         try:
-            sock.connect(endpoint)
+            sock.connect(endpoint.removeprefix(wire.TOKENSPEED_STATUS))
         except zmq.ZMQError as e:  # the sender checks endpoints; this one still got past it
             sock.close(linger=0)
             self.endpoints.pop(receiver, None)
