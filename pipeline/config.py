@@ -88,7 +88,7 @@ class WorkerConfig:
     tokenspeed_grpc: str = setting("", "host:port of the tokenspeed gRPC front: tokenspeed's gateway sends "
                                        "TokenSpeedEncoder/Encode there ('' for none; docs/tokenspeed.md)")
     tokenspeed_bootstrap: str = setting("", "host:port of the tokenspeed HTTP bootstrap front that tokenspeed's "
-                                            "prefill asks (its --disaggregation-bootstrap-port); its frame "
+                                            "prefill asks (its disaggregation bootstrap port); its frame "
                                             "socket is on the next port ('' for none; docs/tokenspeed.md)")
     curve_cert: str = setting("", "the worker's CurveZMQ secret certificate (a zmq.auth .key_secret file): "
                                   "intake, bootstrap and status sockets then use CURVE ('' for none)")

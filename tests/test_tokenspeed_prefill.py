@@ -1,0 +1,310 @@
+"""The tokenspeed fronts against tokenspeed's own code (docs/tokenspeed.md): tokenspeed
+0.1.1's EPD prefill manager and receiver, each prefill rank in a process of
+.venv-tokenspeed (scripts/setup_tokenspeed.sh), and a gateway built on smg's gRPC stubs,
+against one worker of each mode serving both fronts beside the native protocol."""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import time
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import zmq
+from smg_grpc_proto.generated import (common_pb2, tokenspeed_encoder_pb2, tokenspeed_encoder_pb2_grpc,
+                                      tokenspeed_scheduler_pb2, tokenspeed_scheduler_pb2_grpc)
+
+from ipc import shm
+from pipeline.background import free_port
+from pipeline.client import Client, Item
+from pipeline.receiver import Receiver
+from pipeline.testing.sim import expected_sim_rows, image
+from pipeline.testing.workers import sim_config, start_worker
+from stages import registry
+from tests.conftest import TOKEN
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = ROOT / ".venv-tokenspeed"
+HIDDEN = 64
+SUCCESS, FAILED = 5, 0
+UNTOUCHED = 0xDEAD  # what a rank's receive memory holds where nothing was written
+BOOTSTRAP_TIMEOUT_S = 3.0
+_rooms = itertools.count(1000)
+
+
+def tokenspeed_env() -> dict:
+    if not (VENV / "bin" / "python").exists():
+        pytest.fail(f"{VENV} is missing: these tests drive tokenspeed's own prefill side from it. "
+                    f"Run scripts/setup_tokenspeed.sh (after scripts/setup.sh) first.", pytrace=False)
+    site = next((VENV / "lib").glob("python3*/site-packages"))
+    return dict(os.environ, MC_FORCE_TCP="1",  # no RDMA device here: tokenspeed hard-codes rdma
+                LD_LIBRARY_PATH=f"{VENV}:{site / 'nvidia' / 'cu13' / 'lib'}")
+
+
+class Rank:
+    """One tokenspeed prefill rank: tests/tokenspeed_side/prefill_rank.py in its own process."""
+
+    def __init__(self, rank: int, tp: int, env: dict, rows: int = 1024):
+        self.proc = subprocess.Popen([str(VENV / "bin" / "python"), str(ROOT / "tests/tokenspeed_side/prefill_rank.py"),
+                                      str(rank), str(tp), str(rows), str(HIDDEN)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     env=env, text=True)
+        ready = self._answer()
+        assert "ready" in ready, ready
+
+    def _answer(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"the tokenspeed prefill rank exited ({self.proc.wait()})")
+        return json.loads(line)
+
+    def _ask(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def room(self, bootstrap: str, room: int, span: int, at: int = 0, identity: bool = False) -> int:
+        return self._ask(op="room", bootstrap=bootstrap, room=room, span=span, at=at, identity=identity)["status"]
+
+    def wait(self, room: int, timeout: float = 20.0) -> tuple[int, np.ndarray]:
+        got = self._ask(op="wait", room=room, timeout=timeout)
+        return got["status"], np.frombuffer(bytes.fromhex(got["rows"]), dtype=np.uint16).reshape(-1, HIDDEN)
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """Prefill processes: one of tp 1, and the two ranks of a tp 2 prefill."""
+    env = tokenspeed_env()
+    made = [Rank(0, 1, env), Rank(0, 2, env), Rank(1, 2, env)]
+    yield {"solo": made[0], "pair": made[1:]}
+    for r in made:
+        r.close()
+
+
+@pytest.fixture(scope="module", params=["inprocess", "pipeline"])
+def worker(request, tmp_path_factory):
+    tokenspeed_env()
+    prefix = f"t{TOKEN}_{os.getpid()}_ts{request.param[0]}"
+    cfg = sim_config(prefix, tmp_path_factory.mktemp("ts"), sim_hidden=HIDDEN, sim_deepstack_width=0,
+                     bootstrap_timeout_s=BOOTSTRAP_TIMEOUT_S, tokenspeed_grpc=f"127.0.0.1:{free_port()}",
+                     tokenspeed_bootstrap=f"127.0.0.1:{free_port()}")
+    w = start_worker(request.param, cfg)
+    channel = grpc.insecure_channel(cfg.tokenspeed_grpc, options=[("grpc.max_send_message_length", 64 << 20)])
+    w.gateway = tokenspeed_encoder_pb2_grpc.TokenSpeedEncoderStub(channel)
+    w.discovery = tokenspeed_scheduler_pb2_grpc.TokenSpeedSchedulerStub(channel)
+    w.prefill_bootstrap = cfg.tokenspeed_bootstrap
+    try:
+        yield w
+    finally:
+        channel.close()
+        w.close()
+        left = shm.list_objects(prefix)
+        shm.sweep(prefix, include_live=True)
+        assert not left, f"left shared-memory objects behind: {left}"
+
+
+def gateway_segment(pixels: np.ndarray, offset: int = 0, slack: int = 0) -> str:
+    """A segment as tokenspeed's gateway makes one (SharedMemory(create=True): psm_ names),
+    pixels at `offset`, `slack` bytes more after them; closed, not unlinked (the encode
+    side unlinks it)."""
+    data = np.ascontiguousarray(pixels).tobytes()
+    seg = SharedMemory(create=True, size=offset + len(data) + slack)
+    seg.buf[offset:offset + len(data)] = data
+    name = seg.name
+    seg.close()
+    resource_tracker.unregister("/" + name, "shared_memory")  # the worker unlinks it
+    return name
+
+
+def encode_request(room: int, grid: list, pixels: np.ndarray, *, span: int | None = None, shm_name=None,
+                   offset: int = 0, n_items: int = 1, remote: bool = False):
+    t, h, w = grid[0]
+    rows = t * h * w // 4 if span is None else span
+    px = tokenspeed_scheduler_pb2.TensorData(shape=list(pixels.shape), dtype="float32")
+    if remote:
+        px.remote.CopyFrom(common_pb2.RemoteTensorHandle(transport="nixl", nbytes=pixels.nbytes))
+    elif shm_name:
+        px.shm.CopyFrom(common_pb2.ShmHandle(name=shm_name, offset=offset, nbytes=pixels.nbytes, owner_id="gw"))
+    else:
+        px.inline = pixels.tobytes()
+    item = tokenspeed_scheduler_pb2.MultimodalItem(modality=common_pb2.IMAGE, encoder_input=px,
+                                                   placeholders=[tokenspeed_scheduler_pb2.PlaceholderRange(
+                                                       offset=5, length=rows)])
+    item.model_specific_tensors["image_grid_thw"].CopyFrom(tokenspeed_scheduler_pb2.TensorData(
+        shape=[1, 3], dtype="int64", inline=np.array(grid, dtype="<i8").tobytes()))
+    return tokenspeed_encoder_pb2.EncodeRequest(
+        request_id=f"ts-{room}", mm_inputs=tokenspeed_scheduler_pb2.MultimodalInputs(items=[item] * n_items),
+        items=[tokenspeed_encoder_pb2.EncodeItemAssignment(bootstrap_room=room)])
+
+
+def expected(pixels: np.ndarray, span: int) -> np.ndarray:
+    return expected_sim_rows(pixels, "image", span, HIDDEN, 0, "bfloat16")[0]
+
+
+def native_rows(w, room: int, grid: list, pixels: np.ndarray) -> np.ndarray:
+    """The same pixels through the native protocol: a Client and a Receiver."""
+    span = grid[0][0] * grid[0][1] * grid[0][2] // 4
+    rx = Receiver(f"native-{room}", w.cfg.bootstrap, buffer_bytes=4 << 20)
+    client = Client(w.cfg.intake, None)
+    try:
+        rx.alloc(room, 0, span=span, hidden=HIDDEN, dtype="bfloat16")
+        client.encode(room, f"native-{room}", [Item("image", grid, pixels)])
+        assert rx.wait({room: 1}, timeout=20) and room not in rx.failed, rx.failed
+        return rx.rows(room, 0)[0]
+    finally:
+        client.close()
+        rx.close()
+
+
+@pytest.mark.parametrize("how", ["inline", "shm", "shm at an offset", "448x448 in shm"])
+def test_one_rank_gets_the_native_rows(worker, ranks, how):
+    grid, pixels = image(next(_rooms), (1, 32, 32) if how.startswith("448") else (1, 4, 8))
+    span = grid[0][1] * grid[0][2] // 4
+    room = next(_rooms)
+    assert ranks["solo"].room(worker.prefill_bootstrap, room, span) != FAILED
+    offset = 4096 + 8 if "offset" in how else 0
+    name = gateway_segment(pixels, offset, slack=100 if "offset" in how else 0) if "shm" in how else None
+    assert worker.gateway.Encode(encode_request(room, grid, pixels, shm_name=name, offset=offset),
+                                 timeout=10).accepted
+    status, rows = ranks["solo"].wait(room)
+    assert status == SUCCESS
+    assert np.array_equal(rows, expected(pixels, span))
+    assert np.array_equal(rows, native_rows(worker, next(_rooms), grid, pixels))
+    if name:
+        assert not os.path.exists(f"/dev/shm/{name}"), "the gateway's segment was not unlinked"
+
+
+@pytest.mark.parametrize("identity", [False, True], ids=["row-sharded", "identity broadcast"])
+def test_two_ranks_each_get_their_rows(worker, ranks, identity):
+    grid, pixels = image(next(_rooms), (1, 4, 6))  # 6 rows: 3 and 3
+    room = next(_rooms)
+    for r in ranks["pair"]:
+        assert r.room(worker.prefill_bootstrap, room, 6, at=16, identity=identity) != FAILED
+    assert worker.gateway.Encode(encode_request(room, grid, pixels), timeout=10).accepted
+    want = expected(pixels, 6)
+    got = [r.wait(room) for r in ranks["pair"]]
+    assert [s for s, _ in got] == [SUCCESS, SUCCESS]
+    if identity:
+        assert all(np.array_equal(rows, want) for _, rows in got)
+    else:
+        assert np.array_equal(np.concatenate([rows for _, rows in got]), want)
+
+
+def test_a_wrong_span_fails_on_both_sides_and_writes_nothing(worker, ranks):
+    """Refused up front by the gRPC front (the placeholders disagree with the grid), and
+    at the sender (a pre-alloc of the wrong span): INVALID_ARGUMENT to the gateway, "0"
+    to the rank, its memory untouched."""
+    for gateway_span, rank_span in ((5, 5), (4, 5)):
+        grid, pixels = image(next(_rooms), (1, 4, 4))
+        room = next(_rooms)
+        ranks["solo"].room(worker.prefill_bootstrap, room, rank_span, at=512)
+        request = encode_request(room, grid, pixels, span=gateway_span)
+        if gateway_span != 4:
+            with pytest.raises(grpc.RpcError) as e:
+                worker.gateway.Encode(request, timeout=10)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "span" in e.value.details()
+        else:
+            assert worker.gateway.Encode(request, timeout=10).accepted
+        status, rows = ranks["solo"].wait(room)
+        assert status == FAILED and (rows == UNTOUCHED).all()
+
+
+@pytest.mark.parametrize("what", ["two items", "remote pixels", "a negative room"])
+def test_requests_the_front_cannot_serve_are_refused_with_a_reason(worker, what):
+    grid, pixels = image(next(_rooms))
+    room = -5 if "negative" in what else next(_rooms)
+    request = encode_request(room, grid, pixels, n_items=2 if "two" in what else 1, remote="remote" in what)
+    with pytest.raises(grpc.RpcError) as e:
+        worker.gateway.Encode(request, timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert {"two items": "exactly one item", "remote pixels": "remote",
+            "a negative room": "negative"}[what] in e.value.details()
+
+
+def test_rooms_near_2_63_and_discovery(worker, ranks):
+    grid, pixels = image(next(_rooms))
+    room = 2**63 - 1 - next(_rooms)
+    ranks["solo"].room(worker.prefill_bootstrap, room, 4, at=600)
+    assert worker.gateway.Encode(encode_request(room, grid, pixels), timeout=10).accepted
+    status, rows = ranks["solo"].wait(room)
+    assert status == SUCCESS and np.array_equal(rows, expected(pixels, 4))
+    info = worker.discovery.GetModelInfo(tokenspeed_scheduler_pb2.GetModelInfoRequest(), timeout=5)
+    assert info.supports_vision and worker.discovery.HealthCheck(
+        tokenspeed_scheduler_pb2.HealthCheckRequest(), timeout=5).healthy
+    with pytest.raises(grpc.RpcError) as e:
+        next(iter(worker.discovery.Generate(tokenspeed_scheduler_pb2.GenerateRequest(), timeout=5)))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_room_whose_item_never_comes_and_a_late_pre_alloc_hear_failed(worker, ranks):
+    """No cancel exists on tokenspeed's wire: a pre-alloc for a room the worker never sees
+    is answered "0" at the bootstrap timeout; one that comes after its room timed out
+    waiting for it, at once."""
+    never = next(_rooms)
+    ranks["solo"].room(worker.prefill_bootstrap, never, 4, at=700)
+    grid, pixels = image(next(_rooms))
+    late = next(_rooms)
+    assert worker.gateway.Encode(encode_request(late, grid, pixels), timeout=10).accepted
+    status, rows = ranks["solo"].wait(never, timeout=BOOTSTRAP_TIMEOUT_S + 10)
+    assert status == FAILED and (rows == UNTOUCHED).all()
+    deadline = time.monotonic() + BOOTSTRAP_TIMEOUT_S + 10
+    while worker.runtime.rooms.find(late) is not None and worker.runtime.rooms.get(
+            worker.runtime.rooms.find(late)).live and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ranks["solo"].room(worker.prefill_bootstrap, late, 4, at=710)
+    status, rows = ranks["solo"].wait(late)
+    assert status == FAILED and (rows == UNTOUCHED).all()
+
+
+def test_malformed_frames_are_dropped_and_the_rank_is_still_served(worker, ranks):
+    host, port = worker.prefill_bootstrap.rsplit(":", 1)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(f"tcp://{host}:{int(port) + 1}")
+    # the oversized one last: it is cut off with its connection
+    for parts in ([b"x"], [b"1"] * 13, [b"None"] * 6, [b"7", b"127.0.0.1", b"1", b"s"] + [b""] * 9, [b"\xff" * 9000]):
+        sock.send_multipart(parts)
+    sock.close(linger=1000)
+    ctx.term()
+    test_rooms_near_2_63_and_discovery(worker, ranks)
+    assert sum(worker.stats()["tokenspeed_frames_dropped"].values()) >= 4
+
+
+def test_a_killed_sender_fails_the_rooms_it_held_and_the_next_room_is_served(worker, ranks):
+    """A room that waits at the sender for its second rank's pre-alloc when the sender is
+    SIGKILLed: its first rank hears "0", never a row; the second, pre-allocating after the
+    restart, hears "0" too; a new room after the restart succeeds on both."""
+    if worker.mode != "pipeline":
+        pytest.skip("a stage of its own to kill: the pipeline only")
+    first, second = ranks["pair"]
+    grid, pixels = image(next(_rooms), (1, 4, 6))
+    room = next(_rooms)
+    first.room(worker.prefill_bootstrap, room, 6, at=800)
+    assert worker.gateway.Encode(encode_request(room, grid, pixels), timeout=10).accepted
+    sup = worker.runtime
+    deadline = time.monotonic() + 10
+    while not sup.stats().get("sender_live_rooms") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    old = sup.procs[registry.SENDER].pid
+    os.kill(old, signal.SIGKILL)
+    status, rows = first.wait(room)
+    assert status == FAILED and (rows == UNTOUCHED).all()
+    deadline = time.monotonic() + 30
+    while (getattr(sup.procs.get(registry.SENDER), "pid", old) == old or sup.stages_not_ready()) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    second.room(worker.prefill_bootstrap, room, 6, at=800)
+    status, rows = second.wait(room)
+    assert status == FAILED and (rows == UNTOUCHED).all()
+    test_two_ranks_each_get_their_rows(worker, ranks, identity=False)
