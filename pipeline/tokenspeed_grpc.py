@@ -6,8 +6,9 @@ goes to the worker's own intake socket, which checks it again and owns the room 
 there: the front only reads what it must to translate (and refuses up front what the
 native rules refuse, so the gateway hears why). Pixels inline go inline; pixels in a
 gateway's shared-memory segment (tokenspeed names them `psm_...`, outside our prefix)
-are copied into a segment under the worker's prefix, and the gateway's is unlinked on
-every path, as tokenspeed's own encode side does.
+are taken into a segment under the worker's prefix (renamed when the segment is exactly
+the tensor, copied otherwise), and the gateway's name is unlinked on every path, as
+tokenspeed's own encode side does.
 """
 from __future__ import annotations
 
@@ -57,9 +58,11 @@ def foreign_segment(name: str, prefix: str) -> str:
     return os.path.join(shm.SHM_DIR, name)
 
 
-def copy_segment(path: str, offset: int, nbytes: int, dest_name: str) -> None:
+def take_segment(path: str, offset: int, nbytes: int, dest_name: str) -> None:
     """`nbytes` at `offset` of the segment at `path` into a new segment `dest_name`: opened
-    without following links, a regular file, large enough."""
+    without following links, a regular file, large enough. One that is exactly the tensor
+    and of the worker's user is renamed, not copied: the gateway's name is gone as if
+    unlinked, and intake checks what it finds under ours again."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
@@ -71,6 +74,9 @@ def copy_segment(path: str, offset: int, nbytes: int, dest_name: str) -> None:
         if offset + nbytes > st.st_size:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                           f"shm segment holds {st.st_size} bytes; offset {offset} + nbytes {nbytes} runs past it")
+        if offset == 0 and st.st_size == nbytes and st.st_uid == os.geteuid():
+            os.rename(path, os.path.join(shm.SHM_DIR, dest_name[1:]))
+            return
         out = os.open(os.path.join(shm.SHM_DIR, dest_name[1:]), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             done = 0
@@ -232,7 +238,7 @@ class GrpcFront:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                               f"shm nbytes is {px.shm.nbytes}; shape and dtype need {parsed.pixels.nbytes}")
             name = f"/{self.prefix}.ts.{os.getpid()}.{next(self._names)}"
-            copy_segment(foreign_segment(px.shm.name, self.prefix), px.shm.offset, px.shm.nbytes, name)
+            take_segment(foreign_segment(px.shm.name, self.prefix), px.shm.offset, px.shm.nbytes, name)
             pixels["shm"] = name
         self._send(msg, pixels.get("shm"))
 
