@@ -27,7 +27,6 @@ import zmq
 
 from ipc import wire
 from pipeline import wiring
-from pipeline.exposure import endpoint_host
 
 log = logging.getLogger("epd.tokenspeed")
 
@@ -244,7 +243,7 @@ class BootstrapFront:
         host, port = split_host_port(endpoint)
         self.frames = FrameFront(ctx, host, port + 1, bootstrap, deepstack_width)
         try:
-            self.http = BootstrapServer(host, port, reachable_ip(endpoint_host(endpoint) or host, hostname), port + 1)
+            self.http = BootstrapServer(host, port, reachable_ip(host, hostname), port + 1)
         except BaseException:
             self.frames.close()
             raise
@@ -274,8 +273,11 @@ class Fronts:
                 self.bootstrap = BootstrapFront(self.ctx, cfg.tokenspeed_bootstrap, cfg.bootstrap, cfg.hostname,
                                                 spec.deepstack_width)
             if cfg.tokenspeed_grpc:
-                from pipeline.tokenspeed_grpc import GrpcFront  # grpcio: the [tokenspeed] extra
-
+                try:
+                    from pipeline.tokenspeed_grpc import GrpcFront
+                except ImportError as e:
+                    raise RuntimeError(f"tokenspeed_grpc needs grpcio and tokenspeed's proto package ({e}): "
+                                       f"pip install 'epd-encode-worker[tokenspeed]'") from None
                 self.grpc = GrpcFront(self.ctx, cfg, spec, draining)
         except BaseException:
             self.close()

@@ -10,6 +10,8 @@ import os
 import signal
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
@@ -18,6 +20,7 @@ import grpc
 import numpy as np
 import pytest
 import zmq
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import (common_pb2, tokenspeed_encoder_pb2, tokenspeed_encoder_pb2_grpc,
                                       tokenspeed_scheduler_pb2, tokenspeed_scheduler_pb2_grpc)
 
@@ -104,6 +107,7 @@ def worker(request, tmp_path_factory):
     w.gateway = tokenspeed_encoder_pb2_grpc.TokenSpeedEncoderStub(channel)
     w.discovery = tokenspeed_scheduler_pb2_grpc.TokenSpeedSchedulerStub(channel)
     w.prefill_bootstrap = cfg.tokenspeed_bootstrap
+    w.channel = channel
     try:
         yield w
     finally:
@@ -245,6 +249,17 @@ def test_rooms_near_2_63_and_discovery(worker, ranks):
     with pytest.raises(grpc.RpcError) as e:
         next(iter(worker.discovery.Generate(tokenspeed_scheduler_pb2.GenerateRequest(), timeout=5)))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    health = health_pb2_grpc.HealthStub(worker.channel)
+    for service in ("", "tokenspeed.grpc.encoder.TokenSpeedEncoder", "tokenspeed.grpc.scheduler.TokenSpeedScheduler"):
+        answer = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING, service
+    host, port = worker.prefill_bootstrap.rsplit(":", 1)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"http://{worker.prefill_bootstrap}/route?engine_rank=1&target_dp_group=0", timeout=5)
+    assert e.value.code == 404
+    with urllib.request.urlopen(f"http://{worker.prefill_bootstrap}/route?engine_rank=0&target_dp_group=0",
+                                timeout=5) as reply:
+        assert json.loads(reply.read()) == {"rank_ip": host, "rank_port": int(port) + 1}
 
 
 def test_a_room_whose_item_never_comes_and_a_late_pre_alloc_hear_failed(worker, ranks):

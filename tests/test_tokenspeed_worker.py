@@ -96,3 +96,15 @@ def test_status_frames_are_three_ascii_integers(room):
     failed = wire.tokenspeed_status(wire.status_message(room, None, False, "some reason"))
     assert ok == [str(room).encode(), b"5", b"0"] and failed == [str(room).encode(), b"0", b"0"]
     assert all(int(p.decode("ascii")) >= 0 for p in ok + failed)
+
+
+@pytest.mark.parametrize("key", ["tokenspeed_grpc", "tokenspeed_bootstrap"])
+def test_the_fronts_bind_off_loopback_only_when_the_operator_accepts_the_risk(key):
+    from pipeline.config import ConfigError, WorkerConfig
+
+    WorkerConfig(**{key: "127.0.0.1:9000"}).resolved().validate()
+    with pytest.raises(ConfigError, match="allow-insecure-network"):
+        WorkerConfig(**{key: "0.0.0.0:9000"}).resolved().validate()
+    WorkerConfig(**{key: "0.0.0.0:9000"}, allow_insecure_network=True).resolved().validate()
+    with pytest.raises(ConfigError, match="host:port"):
+        WorkerConfig(**{key: "9000"}).resolved().validate()
