@@ -58,11 +58,11 @@ def foreign_segment(name: str, prefix: str) -> str:
     return os.path.join(shm.SHM_DIR, name)
 
 
-def take_segment(path: str, offset: int, nbytes: int, dest_name: str) -> None:
+def take_segment(path: str, offset: int, nbytes: int, dest_name: str) -> bool:
     """`nbytes` at `offset` of the segment at `path` into a new segment `dest_name`: opened
     without following links, a regular file, large enough. One that is exactly the tensor
     and of the worker's user is renamed, not copied: the gateway's name is gone as if
-    unlinked, and intake checks what it finds under ours again."""
+    unlinked, and intake checks what it finds under ours again. Whether it was renamed."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
@@ -76,7 +76,7 @@ def take_segment(path: str, offset: int, nbytes: int, dest_name: str) -> None:
                           f"shm segment holds {st.st_size} bytes; offset {offset} + nbytes {nbytes} runs past it")
         if offset == 0 and st.st_size == nbytes and st.st_uid == os.geteuid():
             os.rename(path, os.path.join(shm.SHM_DIR, dest_name[1:]))
-            return
+            return True
         out = os.open(os.path.join(shm.SHM_DIR, dest_name[1:]), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             done = 0
@@ -90,6 +90,7 @@ def take_segment(path: str, offset: int, nbytes: int, dest_name: str) -> None:
             raise
         finally:
             os.close(out)
+        return False
     finally:
         os.close(fd)
 
@@ -182,8 +183,9 @@ class GrpcFront:
 
     # ------------------------------------------------------------ Encode
     def encode(self, request) -> None:
+        renamed = False
         try:
-            self._encode(request)
+            renamed = self._encode(request)
             self.accepted += 1
         except Refused as e:
             self.refused += 1
@@ -194,13 +196,14 @@ class GrpcFront:
             raise
         finally:
             for it in request.mm_inputs.items:  # every gateway segment, on every path
-                if it.encoder_input.WhichOneof("payload") == "shm":
+                if it.encoder_input.WhichOneof("payload") == "shm" and not renamed:
                     try:
                         os.unlink(foreign_segment(it.encoder_input.shm.name, self.prefix))
                     except (Refused, OSError):
                         pass
 
-    def _encode(self, request) -> None:
+    def _encode(self, request) -> bool:
+        """Sends the native encode; whether the gateway's segment was renamed (taken)."""
         if self.draining():
             raise Refused(grpc.StatusCode.UNAVAILABLE, "worker shutting down")
         if len(request.items) != 1 or len(request.mm_inputs.items) != 1:
@@ -238,9 +241,10 @@ class GrpcFront:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                               f"shm nbytes is {px.shm.nbytes}; shape and dtype need {parsed.pixels.nbytes}")
             name = f"/{self.prefix}.ts.{os.getpid()}.{next(self._names)}"
-            take_segment(foreign_segment(px.shm.name, self.prefix), px.shm.offset, px.shm.nbytes, name)
+            renamed = take_segment(foreign_segment(px.shm.name, self.prefix), px.shm.offset, px.shm.nbytes, name)
             pixels["shm"] = name
         self._send(msg, pixels.get("shm"))
+        return kind == "shm" and renamed
 
     def _send(self, msg: dict, our_segment: str | None) -> None:
         try:

@@ -3,6 +3,7 @@ that describes its receiver needs no register, identity broadcast is a tiling, t
 front's translation and the status frames tokenspeed's status thread can read."""
 from __future__ import annotations
 
+import os
 import struct
 
 import pytest
@@ -108,3 +109,112 @@ def test_the_fronts_bind_off_loopback_only_when_the_operator_accepts_the_risk(ke
     WorkerConfig(**{key: "0.0.0.0:9000"}, allow_insecure_network=True).resolved().validate()
     with pytest.raises(ConfigError, match="host:port"):
         WorkerConfig(**{key: "9000"}).resolved().validate()
+
+
+# -- bounds: a flood through either front pushes back on its peer -----------------------------
+
+
+@pytest.fixture
+def stalled_intake(tmp_path):
+    """A native intake socket nobody reads: the worker busy for as long as the test wants."""
+    import zmq
+
+    ctx = zmq.Context()
+    sink = ctx.socket(zmq.PULL)
+    sink.setsockopt(zmq.RCVHWM, 1)
+    endpoint = f"ipc://{tmp_path}/intake.sock"
+    sink.bind(endpoint)
+    yield ctx, endpoint
+    sink.close(0)
+    ctx.term()
+
+
+def _grpc_front(ctx, intake, monkeypatch):
+    from types import SimpleNamespace
+
+    from pipeline import tokenspeed_grpc
+    from pipeline.background import free_port
+
+    monkeypatch.setattr(tokenspeed_grpc, "MAX_CONCURRENT_RPCS", 4)
+    monkeypatch.setattr(tokenspeed_grpc, "SEND_TIMEOUT_S", 0.5)
+    cfg = SimpleNamespace(tower="sim", tower_config="", shm_prefix="tsbound", intake=intake,
+                          tokenspeed_grpc=f"127.0.0.1:{free_port()}")
+    spec = SimpleNamespace(patch_dim=1176, merge=2, dtype="bfloat16", deepstack_width=0)
+    return tokenspeed_grpc.GrpcFront(ctx, cfg, spec, lambda: False)
+
+
+def test_a_grpc_flood_is_turned_away_or_waits_and_every_call_ends(stalled_intake, monkeypatch):
+    import grpc
+    import numpy as np
+    from smg_grpc_proto.generated import tokenspeed_encoder_pb2_grpc
+
+    from tests.test_tokenspeed_prefill import encode_request
+
+    ctx, intake = stalled_intake
+    front = _grpc_front(ctx, intake, monkeypatch)
+    channel = grpc.insecure_channel(front.cfg.tokenspeed_grpc, options=[("grpc.max_send_message_length", 64 << 20)])
+    try:
+        stub = tokenspeed_encoder_pb2_grpc.TokenSpeedEncoderStub(channel)
+        pixels = np.ones((256, 1176), dtype=np.float32)  # 1.2 MB inline: the intake's queues fill at once
+        calls = [stub.Encode.future(encode_request(room, [[1, 16, 16]], pixels), timeout=30) for room in range(24)]
+        codes = [c.exception().code() if c.exception() else grpc.StatusCode.OK for c in calls]
+    finally:
+        channel.close()
+        front.close()
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
+    assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes and grpc.StatusCode.UNAVAILABLE in codes, codes
+    assert codes.count(grpc.StatusCode.OK) <= 8, codes  # what the sockets' queues hold
+
+
+def test_a_refused_call_unlinks_the_gateway_segment(stalled_intake, monkeypatch):
+    import grpc
+    import numpy as np
+    from smg_grpc_proto.generated import tokenspeed_encoder_pb2_grpc
+
+    from tests.test_tokenspeed_prefill import encode_request, gateway_segment
+
+    ctx, intake = stalled_intake
+    front = _grpc_front(ctx, intake, monkeypatch)
+    channel = grpc.insecure_channel(front.cfg.tokenspeed_grpc)
+    pixels = np.ones((16, 1176), dtype=np.float32)
+    name = gateway_segment(pixels)
+    try:
+        stub = tokenspeed_encoder_pb2_grpc.TokenSpeedEncoderStub(channel)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Encode(encode_request(7, [[1, 4, 4]], pixels, span=5, shm_name=name), timeout=10)
+    finally:
+        channel.close()
+        front.close()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_a_frame_flood_pushes_back_on_the_prefill(stalled_intake):
+    import zmq
+
+    from pipeline.background import free_port
+    from pipeline.tokenspeed_front import FrameFront
+
+    ctx, _ = stalled_intake
+    stalled = ctx.socket(zmq.PULL)  # the sender, not reading
+    stalled.setsockopt(zmq.RCVHWM, 1)
+    port = stalled.bind_to_random_port("tcp://127.0.0.1")
+    frames_port = free_port()
+    front = FrameFront(ctx, "127.0.0.1", frames_port, f"tcp://127.0.0.1:{port}", 0)
+    prefill = ctx.socket(zmq.PUSH)
+    prefill.setsockopt(zmq.SNDHWM, 1)
+    prefill.setsockopt(zmq.SNDTIMEO, 500)
+    prefill.connect(f"tcp://127.0.0.1:{frames_port}")
+    sent = 0
+    try:
+        while sent < 1_000_000:
+            prefill.send_multipart(_pre_alloc(room=str(sent).encode()))
+            sent += 1
+    except zmq.Again:
+        pass
+    finally:
+        prefill.close(0)
+        front.close()
+        stalled.close(0)
+    assert sent < 1_000_000, "the front took every frame: nothing pushed back"
+    print(f"\nframe flood: {sent} frames taken before the prefill's send blocked")
