@@ -15,10 +15,11 @@ cd "$(dirname "$0")/.."
 
 TOKENSPEED=tokenspeed==0.1.1
 MOONCAKE=tokenspeed-mooncake==0.3.13.post20261027
-EXTRA=(msgspec orjson pybase64 starlette fastapi einops compressed-tensors loguru "nvidia-cuda-runtime>=13,<14")
+EXTRA=(msgspec==0.23.0 orjson==3.13.0 pybase64==1.5.1 starlette==1.10.0 fastapi==0.165.0 einops==0.8.2
+       compressed-tensors==0.20.1 loguru==0.7.3 nvidia-cuda-runtime==13.5.37)
 
 [ -x .venv/bin/python ] || { echo "setup_tokenspeed.sh: run scripts/setup.sh first" >&2; exit 1; }
-stamp=.venv-tokenspeed/.installed-$(cat scripts/setup_tokenspeed.sh tests/tokenspeed_side/*.c | sha1sum | cut -c1-12)
+stamp=.venv-tokenspeed/.installed-$(cat scripts/setup_tokenspeed.sh tests/tokenspeed_side/tokenspeed_standins.py tests/tokenspeed_side/*.c | sha1sum | cut -c1-12)
 [ -e "$stamp" ] && exit 0
 
 py=$(readlink -f .venv/bin/python)
@@ -30,7 +31,7 @@ pip=(.venv/bin/python -m pip install -q --no-deps --target "$ts_site")
 "${pip[@]}" "$TOKENSPEED" "$MOONCAKE"
 "${pip[@]}" "${EXTRA[@]}"
 # The stand-ins, then the main environment's packages after this one's own.
-cp tests/tokenspeed_side/*.py "$ts_site/"
+cp tests/tokenspeed_side/tokenspeed_standins.py "$ts_site/"
 echo "$main_site" > "$ts_site/zz_main_venv.pth"
 echo "import tokenspeed_standins" > "$ts_site/zz_tokenspeed_standins.pth"
 cc -shared -fPIC -o .venv-tokenspeed/libcuda.so.1 tests/tokenspeed_side/libcuda_standin.c
