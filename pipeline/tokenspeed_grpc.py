@@ -22,6 +22,7 @@ from concurrent import futures
 import grpc
 import numpy as np
 import zmq
+from google.protobuf.struct_pb2 import Struct
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import (common_pb2, tokenspeed_encoder_pb2, tokenspeed_encoder_pb2_grpc,
                                       tokenspeed_scheduler_pb2, tokenspeed_scheduler_pb2_grpc)
@@ -59,24 +60,21 @@ def foreign_segment(name: str, prefix: str) -> str:
 
 
 def take_segment(path: str, offset: int, nbytes: int, dest_name: str) -> bool:
-    """`nbytes` at `offset` of the segment at `path` into a new segment `dest_name`: opened
-    without following links, a regular file, large enough. One that is exactly the tensor
-    and of the worker's user is renamed, not copied: the gateway's name is gone as if
-    unlinked, and intake checks what it finds under ours again. Whether it was renamed."""
+    """`nbytes` at `offset` of the segment at `path` into a new segment `dest_name`: never
+    through a link, a regular file, large enough. One that is exactly the tensor and of
+    the worker's user is renamed, not copied: the gateway's name is gone as if unlinked,
+    and intake checks what it finds under ours again (as it checks any client's). Whether
+    it was renamed."""
+    st = _regular(os.lstat, path, offset, nbytes)
+    if offset == 0 and st.st_size == nbytes and st.st_uid == os.geteuid():
+        os.rename(path, os.path.join(shm.SHM_DIR, dest_name[1:]))
+        return True
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"shm segment cannot be opened: {e.strerror}") from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "shm segment is not a regular file")
-        if offset + nbytes > st.st_size:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"shm segment holds {st.st_size} bytes; offset {offset} + nbytes {nbytes} runs past it")
-        if offset == 0 and st.st_size == nbytes and st.st_uid == os.geteuid():
-            os.rename(path, os.path.join(shm.SHM_DIR, dest_name[1:]))
-            return True
+        _regular(os.fstat, fd, offset, nbytes)
         out = os.open(os.path.join(shm.SHM_DIR, dest_name[1:]), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             done = 0
@@ -93,6 +91,29 @@ def take_segment(path: str, offset: int, nbytes: int, dest_name: str) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def _regular(stat_of, what, offset: int, nbytes: int) -> os.stat_result:
+    try:
+        st = stat_of(what)
+    except OSError as e:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"shm segment cannot be opened: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "shm segment is not a regular file")
+    if offset + nbytes > st.st_size:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"shm segment holds {st.st_size} bytes; offset {offset} + nbytes {nbytes} runs past it")
+    return st
+
+
+def shm_namespace_id() -> str:
+    """Which /dev/shm this process sees, as smg's servicer names it (boot id and the
+    tmpfs's device): the gateway compares it with its own. Empty if unknown."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f"{f.read().strip()}:{os.stat(shm.SHM_DIR).st_dev}"
+    except OSError:
+        return ""
 
 
 def _tensor_bytes(t, what: str) -> bytes:
@@ -137,9 +158,20 @@ class DiscoveryServicer(tokenspeed_scheduler_pb2_grpc.TokenSpeedSchedulerService
             supports_multimodal=True, supported_modalities=list(MODALITIES), multimodal_encoder_dtype=spec.dtype)
 
     def GetServerInfo(self, request, context):  # noqa: N802
+        """What tokenspeed's encode server tells the gateway: its role and bootstrap port
+        in server_args, and which /dev/shm it sees (the gateway sends pixels in shared
+        memory only to a worker that shares its own)."""
+        front = self.front
+        host, _, port = front.cfg.tokenspeed_grpc.rpartition(":")
+        bootstrap = front.cfg.tokenspeed_bootstrap.rpartition(":")[2]
+        args, info = Struct(), Struct()
+        args.update({"disaggregation_mode": "encode", "disaggregation_bootstrap_port": int(bootstrap or 0),
+                     "host": host.strip("[]"), "port": int(port), "model_path": front.model,
+                     "served_model_name": front.model})
+        info.update({"shm_namespace_id": shm_namespace_id()})
         return tokenspeed_scheduler_pb2.GetServerInfoResponse(
-            uptime_seconds=time.monotonic() - self.front.started, tokenspeed_version="epd-encode-worker",
-            is_paused=self.front.draining())
+            server_args=args, scheduler_info=info, uptime_seconds=time.monotonic() - front.started,
+            tokenspeed_version="epd-encode-worker", is_paused=front.draining())
 
     def HealthCheck(self, request, context):  # noqa: N802
         draining = self.front.draining()

@@ -244,6 +244,10 @@ def test_rooms_near_2_63_and_discovery(worker, ranks):
     status, rows = ranks["solo"].wait(room)
     assert status == SUCCESS and np.array_equal(rows, expected(pixels, 4))
     info = worker.discovery.GetModelInfo(tokenspeed_scheduler_pb2.GetModelInfoRequest(), timeout=5)
+    server = worker.discovery.GetServerInfo(tokenspeed_scheduler_pb2.GetServerInfoRequest(), timeout=5)
+    assert server.server_args["disaggregation_mode"] == "encode"
+    assert server.server_args["disaggregation_bootstrap_port"] == int(worker.prefill_bootstrap.rsplit(":")[1])
+    assert server.scheduler_info["shm_namespace_id"]
     assert info.supports_vision and worker.discovery.HealthCheck(
         tokenspeed_scheduler_pb2.HealthCheckRequest(), timeout=5).healthy
     with pytest.raises(grpc.RpcError) as e:

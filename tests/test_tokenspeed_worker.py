@@ -166,7 +166,10 @@ def test_a_grpc_flood_is_turned_away_or_waits_and_every_call_ends(stalled_intake
     assert codes.count(grpc.StatusCode.OK) <= 8, codes  # what the sockets' queues hold
 
 
-def test_a_refused_call_unlinks_the_gateway_segment(stalled_intake, monkeypatch):
+@pytest.mark.parametrize("what", ["a wrong span", "a link"])
+def test_a_refused_call_unlinks_the_gateway_segment(stalled_intake, monkeypatch, tmp_path, what):
+    """Whatever becomes of a call, the gateway's name is gone (tokenspeed's encode side
+    unlinks it on every path); a link is never followed, its target left alone."""
     import grpc
     import numpy as np
     from smg_grpc_proto.generated import tokenspeed_encoder_pb2_grpc
@@ -177,16 +180,24 @@ def test_a_refused_call_unlinks_the_gateway_segment(stalled_intake, monkeypatch)
     front = _grpc_front(ctx, intake, monkeypatch)
     channel = grpc.insecure_channel(front.cfg.tokenspeed_grpc)
     pixels = np.ones((16, 1176), dtype=np.float32)
-    name = gateway_segment(pixels)
+    target = tmp_path / "target"
+    target.write_bytes(pixels.tobytes())
+    if what == "a link":
+        name = f"psm_link{os.getpid()}"
+        os.symlink(target, f"/dev/shm/{name}")
+    else:
+        name = gateway_segment(pixels)
     try:
         stub = tokenspeed_encoder_pb2_grpc.TokenSpeedEncoderStub(channel)
         with pytest.raises(grpc.RpcError) as e:
-            stub.Encode(encode_request(7, [[1, 4, 4]], pixels, span=5, shm_name=name), timeout=10)
+            stub.Encode(encode_request(7, [[1, 4, 4]], pixels, span=None if "link" in what else 5, shm_name=name),
+                        timeout=10)
     finally:
         channel.close()
         front.close()
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert not os.path.exists(f"/dev/shm/{name}")
+    assert ("not a regular file" if "link" in what else "span") in e.value.details()
+    assert not os.path.lexists(f"/dev/shm/{name}") and target.exists()
 
 
 def test_a_frame_flood_pushes_back_on_the_prefill(stalled_intake):
