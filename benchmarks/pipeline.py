@@ -75,6 +75,8 @@ as before, and never MISSED):
   gateway on smg's gRPC stubs, pixels in its own shared-memory segments; a prefill
   rank speaking tokenspeed's frames and status frames) / of one fed natively, both
   alive together, trials alternating. Target >= 0.95.
+  tokenspeed_front_cpu_per_image_vs_native: CPU per image of every process, the
+  same way (best trials; no target).
 - peak resident memory of each worker's process tree (for the pipeline, the
   supervisor and every stage), sampled at 10 Hz as a sum of RSS (a shared page
   counts in every process that maps it); PSS (each shared page split among its

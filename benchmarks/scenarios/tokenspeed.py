@@ -1,7 +1,8 @@
 """Scenario tokenspeed: the same images (cpu-bound's: grid 1x32x32, 4.8 MB of float32
 pixels in shared memory, 256 rows out) through the tokenspeed fronts and through the
 native protocol, two pipeline workers alive together, trials alternating;
-tokenspeed_front_vs_native_throughput = images/s through the fronts / natively.
+tokenspeed_front_vs_native_throughput = images/s through the fronts / natively;
+tokenspeed_front_cpu_per_image_vs_native = CPU per image of every process, the same way.
 
 The tokenspeed side is a client process of its own that speaks tokenspeed's wire as
 tokenspeed 0.1.1 does (docs/tokenspeed.md): a gateway on smg's gRPC stubs, pixels in
@@ -22,6 +23,7 @@ from benchmarks.harness.report import describe, print_ratio
 from benchmarks.scenarios.common import CPU_DEVICE_S, GRID, Bench
 
 KEY = "tokenspeed_front_vs_native_throughput"
+CPU_KEY = "tokenspeed_front_cpu_per_image_vs_native"
 
 
 def tokenspeed(b: Bench) -> None:
@@ -56,6 +58,10 @@ def tokenspeed(b: Bench) -> None:
         b.raw[f"tokenspeed_{k}_pipeline"] = r
         print(f"  {k}:\n{describe(r)}", flush=True)
     print_ratio(KEY, res["tokenspeed"]["images_per_s"], res["native"]["images_per_s"], b.results)
+    # Steadier than the rates on a shared machine: what the fronts cost, in CPU per image.
+    cpu = {k: sum(r["trials"][r["best_trial"]]["cpu_ms_per_image"].values()) for k, r in res.items()}
+    print_ratio(CPU_KEY, cpu["tokenspeed"], cpu["native"], b.results, fmt=".2f",
+                note="  (ms of CPU per image, every process, best trials)")
 
 
 class _Gateway:
