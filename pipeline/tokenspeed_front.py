@@ -50,7 +50,7 @@ def _ascii_int(part: bytes, what: str, low: int = 0, high: int = wire.U64_MAX) -
         text = part.decode("ascii")
     except UnicodeDecodeError:
         raise FrameError(f"{what} is not ASCII") from None
-    if not text.isdigit() or not low <= int(text) <= high:
+    if not text.isdigit() or len(text) > 20 or not low <= int(text) <= high:
         raise FrameError(f"{what} must be an integer in {low}..{high}, got {text[:40]!r}")
     return int(text)
 

@@ -1,6 +1,6 @@
 """The tokenspeed fronts against tokenspeed's own code (docs/tokenspeed.md): tokenspeed
-0.1.1's EPD prefill manager and receiver, each prefill rank in a process of
-.venv-tokenspeed (scripts/setup_tokenspeed.sh), and a gateway built on smg's gRPC stubs,
+0.1.1's EPD prefill manager and receiver (three prefill ranks, in one process of
+.venv-tokenspeed: scripts/setup_tokenspeed.sh), and a gateway built on smg's gRPC stubs,
 against one worker of each mode serving both fronts beside the native protocol."""
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ VENV = ROOT / ".venv-tokenspeed"
 HIDDEN = 64
 SUCCESS, FAILED = 5, 0
 UNTOUCHED = 0xDEAD  # what a rank's receive memory holds where nothing was written
-BOOTSTRAP_TIMEOUT_S = 3.0
+BOOTSTRAP_TIMEOUT_S = 5.0
 _rooms = itertools.count(1000)
 
 
@@ -51,68 +51,88 @@ def tokenspeed_env() -> dict:
                 LD_LIBRARY_PATH=f"{VENV}:{site / 'nvidia' / 'cu13' / 'lib'}")
 
 
-class Rank:
-    """One tokenspeed prefill rank: tests/tokenspeed_side/prefill_rank.py in its own process."""
+class Prefill:
+    """tokenspeed prefill ranks: tests/tokenspeed_side/prefill_rank.py, one process."""
 
-    def __init__(self, rank: int, tp: int, env: dict, rows: int = 1024):
+    def __init__(self, specs: list[tuple[int, int]], env: dict, rows: int = 1024):
         self.proc = subprocess.Popen([str(VENV / "bin" / "python"), str(ROOT / "tests/tokenspeed_side/prefill_rank.py"),
-                                      str(rank), str(tp), str(rows), str(HIDDEN)],
+                                      ",".join(f"{r}:{tp}" for r, tp in specs), str(rows), str(HIDDEN)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      env=env, text=True)
-        ready = self._answer()
-        assert "ready" in ready, ready
+        answer = self.answer()
+        assert "ready" in answer, answer
+        self.ranks = [Rank(self, who) for who in range(len(specs))]
 
-    def _answer(self) -> dict:
+    def answer(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
-            raise AssertionError(f"the tokenspeed prefill rank exited ({self.proc.wait()})")
+            raise AssertionError(f"tokenspeed's prefill process exited ({self.proc.wait()})")
         return json.loads(line)
 
-    def _ask(self, **cmd) -> dict:
+    def ask(self, **cmd) -> dict:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
-        return self._answer()
-
-    def room(self, bootstrap: str, room: int, span: int, at: int = 0, identity: bool = False) -> int:
-        return self._ask(op="room", bootstrap=bootstrap, room=room, span=span, at=at, identity=identity)["status"]
-
-    def wait(self, room: int, timeout: float = 20.0) -> tuple[int, np.ndarray]:
-        got = self._ask(op="wait", room=room, timeout=timeout)
-        return got["status"], np.frombuffer(bytes.fromhex(got["rows"]), dtype=np.uint16).reshape(-1, HIDDEN)
+        return self.answer()
 
     def close(self) -> None:
         self.proc.kill()
         self.proc.wait()
 
 
+class Rank:
+    """One tokenspeed prefill rank of a Prefill process."""
+
+    def __init__(self, prefill: Prefill, who: int):
+        self.prefill, self.who = prefill, who
+
+    def room(self, bootstrap: str, room: int, span: int, at: int = 0, identity: bool = False) -> int:
+        return self.prefill.ask(op="room", who=self.who, bootstrap=bootstrap, room=room, span=span, at=at,
+                                identity=identity)["status"]
+
+    def wait(self, room: int, timeout: float = 20.0) -> tuple[int, np.ndarray]:
+        got = self.prefill.ask(op="wait", who=self.who, room=room, timeout=timeout)
+        return got["status"], np.frombuffer(bytes.fromhex(got["rows"]), dtype=np.uint16).reshape(-1, HIDDEN)
+
+
 @pytest.fixture(scope="module")
 def ranks():
-    """Prefill processes: one of tp 1, and the two ranks of a tp 2 prefill."""
-    env = tokenspeed_env()
-    made = [Rank(0, 1, env), Rank(0, 2, env), Rank(1, 2, env)]
-    yield {"solo": made[0], "pair": made[1:]}
-    for r in made:
-        r.close()
+    """tokenspeed prefill ranks: one of a tp 1 prefill, and the two of a tp 2 prefill."""
+    prefill = Prefill([(0, 1), (0, 2), (1, 2)], tokenspeed_env())
+    solo, *pair = prefill.ranks
+    yield {"solo": solo, "pair": pair}
+    prefill.close()
+
+
+def ts_config(prefix: str, run_dir, **over):
+    return sim_config(prefix, run_dir, sim_hidden=HIDDEN, sim_deepstack_width=0,
+                      bootstrap_timeout_s=BOOTSTRAP_TIMEOUT_S, tokenspeed_grpc=f"127.0.0.1:{free_port()}",
+                      tokenspeed_bootstrap=f"127.0.0.1:{free_port()}", **over)
+
+
+def serve(mode: str, cfg):
+    """A worker serving both fronts, with a gateway: `.gateway` (Encode), `.discovery`."""
+    w = start_worker(mode, cfg)
+    w.channel = grpc.insecure_channel(cfg.tokenspeed_grpc, options=[("grpc.max_send_message_length", 64 << 20)])
+    w.gateway = tokenspeed_encoder_pb2_grpc.TokenSpeedEncoderStub(w.channel)
+    w.discovery = tokenspeed_scheduler_pb2_grpc.TokenSpeedSchedulerStub(w.channel)
+    w.prefill_bootstrap = cfg.tokenspeed_bootstrap
+    return w
+
+
+def stop(w) -> None:
+    w.channel.close()
+    w.close()
 
 
 @pytest.fixture(scope="module", params=["inprocess", "pipeline"])
 def worker(request, tmp_path_factory):
     tokenspeed_env()
     prefix = f"t{TOKEN}_{os.getpid()}_ts{request.param[0]}"
-    cfg = sim_config(prefix, tmp_path_factory.mktemp("ts"), sim_hidden=HIDDEN, sim_deepstack_width=0,
-                     bootstrap_timeout_s=BOOTSTRAP_TIMEOUT_S, tokenspeed_grpc=f"127.0.0.1:{free_port()}",
-                     tokenspeed_bootstrap=f"127.0.0.1:{free_port()}")
-    w = start_worker(request.param, cfg)
-    channel = grpc.insecure_channel(cfg.tokenspeed_grpc, options=[("grpc.max_send_message_length", 64 << 20)])
-    w.gateway = tokenspeed_encoder_pb2_grpc.TokenSpeedEncoderStub(channel)
-    w.discovery = tokenspeed_scheduler_pb2_grpc.TokenSpeedSchedulerStub(channel)
-    w.prefill_bootstrap = cfg.tokenspeed_bootstrap
-    w.channel = channel
+    w = serve(request.param, ts_config(prefix, tmp_path_factory.mktemp("ts")))
     try:
         yield w
     finally:
-        channel.close()
-        w.close()
+        stop(w)
         left = shm.list_objects(prefix)
         shm.sweep(prefix, include_live=True)
         assert not left, f"left shared-memory objects behind: {left}"
@@ -327,3 +347,22 @@ def test_a_killed_sender_fails_the_rooms_it_held_and_the_next_room_is_served(wor
     status, rows = second.wait(room)
     assert status == FAILED and (rows == UNTOUCHED).all()
     test_two_ranks_each_get_their_rows(worker, ranks, identity=False)
+
+
+@pytest.mark.parametrize("mode", ["inprocess", "pipeline"])
+def test_a_prefill_that_registered_with_a_worker_is_served_by_its_restart(ranks, mode, shm_prefix, tmp_path):
+    """tokenspeed's prefill asks /route and registers once per process, for its life: a
+    worker restarted on the same ports (the frame port with them) serves its next room
+    from the pre-alloc alone."""
+    cfg = ts_config(shm_prefix, tmp_path)
+    for incarnation in ("first", "restarted"):
+        w = serve(mode, cfg)
+        try:
+            grid, pixels = image(next(_rooms))
+            room = next(_rooms)
+            ranks["solo"].room(w.prefill_bootstrap, room, 4, at=900)
+            assert w.gateway.Encode(encode_request(room, grid, pixels), timeout=10).accepted
+            status, rows = ranks["solo"].wait(room)
+            assert status == SUCCESS and np.array_equal(rows, expected(pixels, 4)), incarnation
+        finally:
+            stop(w)
