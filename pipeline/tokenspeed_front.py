@@ -121,7 +121,11 @@ class FrameFront:
         self.pull.setsockopt(zmq.RCVHWM, wiring.SOCKET_QUEUE_FRAMES)
         self.pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self.pull.setsockopt(zmq.LINGER, 0)
-        self.pull.bind(f"tcp://{_bracket(host)}:{port}")
+        try:
+            self.pull.bind(f"tcp://{_bracket(host)}:{port}")
+        except zmq.ZMQError:
+            self.pull.close()  # else the context's term() waits for it
+            raise
         self.push = ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.SNDHWM, wiring.SOCKET_QUEUE_FRAMES)
         self.push.setsockopt(zmq.LINGER, 0)
@@ -241,9 +245,16 @@ class BootstrapFront:
 
     def __init__(self, ctx: zmq.Context, endpoint: str, bootstrap: str, hostname: str, deepstack_width: int):
         host, port = split_host_port(endpoint)
-        self.frames = FrameFront(ctx, host, port + 1, bootstrap, deepstack_width)
+        try:
+            self.frames = FrameFront(ctx, host, port + 1, bootstrap, deepstack_width)
+        except zmq.ZMQError as e:
+            raise OSError(f"tokenspeed_bootstrap {endpoint!r}: its frame socket cannot listen on port "
+                          f"{port + 1} ({e})") from None
         try:
             self.http = BootstrapServer(host, port, reachable_ip(host, hostname), port + 1)
+        except OSError as e:
+            self.frames.close()
+            raise OSError(f"tokenspeed_bootstrap {endpoint!r}: cannot listen there ({e.strerror or e})") from None
         except BaseException:
             self.frames.close()
             raise
