@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -55,9 +56,10 @@ class Prefill:
     """tokenspeed prefill ranks: tests/tokenspeed_side/prefill_rank.py, one process."""
 
     def __init__(self, specs: list[tuple[int, int]], env: dict, rows: int = 1024):
+        self.log = tempfile.TemporaryFile(mode="w+")  # tokenspeed's and Mooncake's logs, shown if it dies
         self.proc = subprocess.Popen([str(VENV / "bin" / "python"), str(ROOT / "tests/tokenspeed_side/prefill_rank.py"),
                                       ",".join(f"{r}:{tp}" for r, tp in specs), str(rows), str(HIDDEN)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      env=env, text=True)
         answer = self.answer()
         assert "ready" in answer, answer
@@ -66,7 +68,9 @@ class Prefill:
     def answer(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
-            raise AssertionError(f"tokenspeed's prefill process exited ({self.proc.wait()})")
+            code = self.proc.wait()
+            self.log.seek(0)
+            raise AssertionError(f"tokenspeed's prefill process exited ({code}):\n{self.log.read()[-3000:]}")
         return json.loads(line)
 
     def ask(self, **cmd) -> dict:
@@ -77,6 +81,7 @@ class Prefill:
     def close(self) -> None:
         self.proc.kill()
         self.proc.wait()
+        self.log.close()
 
 
 class Rank:
