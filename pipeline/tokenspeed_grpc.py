@@ -182,6 +182,19 @@ class DiscoveryServicer(tokenspeed_scheduler_pb2_grpc.TokenSpeedSchedulerService
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this is an encode worker: it serves Encode only")
 
 
+class HealthServicer(health.HealthServicer):
+    """grpc.health.v1, NOT_SERVING while the worker drains: the gateway stops sending."""
+
+    def __init__(self, draining):
+        super().__init__()
+        self.draining = draining
+
+    def Check(self, request, context):  # noqa: N802
+        if self.draining():
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+        return super().Check(request, context)
+
+
 class GrpcFront:
     def __init__(self, ctx: zmq.Context, cfg, spec, draining):
         self.cfg, self.spec, self.draining = cfg, spec, draining
@@ -204,7 +217,7 @@ class GrpcFront:
                                            ("grpc.so_reuseport", 0)])
         tokenspeed_encoder_pb2_grpc.add_TokenSpeedEncoderServicer_to_server(EncoderServicer(self), self.server)
         tokenspeed_scheduler_pb2_grpc.add_TokenSpeedSchedulerServicer_to_server(DiscoveryServicer(self), self.server)
-        self.health = health.HealthServicer()
+        self.health = HealthServicer(draining)
         for service in ("", ENCODER, SCHEDULER):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -129,7 +129,7 @@ def stalled_intake(tmp_path):
     ctx.term()
 
 
-def _grpc_front(ctx, intake, monkeypatch):
+def _grpc_front(ctx, intake, monkeypatch, draining=lambda: False):
     from types import SimpleNamespace
 
     from pipeline import tokenspeed_grpc
@@ -140,7 +140,7 @@ def _grpc_front(ctx, intake, monkeypatch):
     cfg = SimpleNamespace(tower="sim", tower_config="", shm_prefix="tsbound", intake=intake,
                           tokenspeed_grpc=f"127.0.0.1:{free_port()}")
     spec = SimpleNamespace(patch_dim=1176, merge=2, dtype="bfloat16", deepstack_width=0)
-    return tokenspeed_grpc.GrpcFront(ctx, cfg, spec, lambda: False)
+    return tokenspeed_grpc.GrpcFront(ctx, cfg, spec, draining)
 
 
 def test_a_grpc_flood_is_turned_away_or_waits_and_every_call_ends(stalled_intake, monkeypatch):
@@ -229,3 +229,29 @@ def test_a_frame_flood_pushes_back_on_the_prefill(stalled_intake):
         stalled.close(0)
     assert sent < 1_000_000, "the front took every frame: nothing pushed back"
     print(f"\nframe flood: {sent} frames taken before the prefill's send blocked")
+
+
+def test_a_draining_worker_answers_unavailable_and_unlinks_the_segment(stalled_intake, monkeypatch):
+    import grpc
+    import numpy as np
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from smg_grpc_proto.generated import tokenspeed_encoder_pb2_grpc
+
+    from tests.test_tokenspeed_prefill import encode_request, gateway_segment
+
+    ctx, intake = stalled_intake
+    front = _grpc_front(ctx, intake, monkeypatch, draining=lambda: True)
+    channel = grpc.insecure_channel(front.cfg.tokenspeed_grpc)
+    pixels = np.ones((16, 1176), dtype=np.float32)
+    name = gateway_segment(pixels)
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            tokenspeed_encoder_pb2_grpc.TokenSpeedEncoderStub(channel).Encode(
+                encode_request(7, [[1, 4, 4]], pixels, shm_name=name), timeout=10)
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    finally:
+        channel.close()
+        front.close()
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.value.details()
+    assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert not os.path.exists(f"/dev/shm/{name}")
