@@ -70,6 +70,13 @@ as before, and never MISSED):
   while another process spins a Python loop, / alone (no target: what any work
   on the other core costs the forward on this machine; the pipeline's other
   stages are such work).
+- tokenspeed_front_vs_native_throughput (scenario tokenspeed, cpu-bound's images and
+  device time): images/s of a pipeline worker fed through the tokenspeed fronts (a
+  gateway on smg's gRPC stubs, pixels in its own shared-memory segments; a prefill
+  rank speaking tokenspeed's frames and status frames) / of one fed natively, both
+  alive together, trials alternating. Target >= 0.95.
+  tokenspeed_front_cpu_per_image_vs_native: CPU per image of every process, the
+  same way (best trials; no target).
 - peak resident memory of each worker's process tree (for the pipeline, the
   supervisor and every stage), sampled at 10 Hz as a sum of RSS (a shared page
   counts in every process that maps it); PSS (each shared page split among its
@@ -116,8 +123,9 @@ def parse_args(argv) -> tuple[argparse.Namespace, set]:
     ap.add_argument("--quick", action="store_true", help="fewer images (under ~4 minutes)")
     ap.add_argument("--json", metavar="PATH", help="write the results here")
     ap.add_argument("--window", type=int, default=64, help="rooms in flight at the receiver")
-    ap.add_argument("--scenarios", default="cpu,small,device,tiny,replicas",
-                    help="comma-separated subset of cpu, small, device, tiny, replicas (device needs cpu), and load: "
+    ap.add_argument("--scenarios", default="cpu,small,device,tiny,replicas,tokenspeed",
+                    help="comma-separated subset of cpu, small, device, tiny, replicas, tokenspeed (device needs "
+                         "cpu), and load: "
                          "images/s of both modes at each of --load-windows rooms in flight (not by default)")
     ap.add_argument("--load-windows", default="1,2,4,8,16,32,64",
                     help="rooms in flight for the load scenario (default %(default)s; at most --window)")

@@ -28,7 +28,10 @@ MAX_CACHE_SALT = 128  # characters of an encode's cache_salt (protocol 1.1)
 CACHE_KEY_BYTES = 32  # the key of the keyed content hash (BLAKE3's key size)
 # What ZeroMQ can connect to: a host (name, IPv4 or [IPv6]) and a port, or an ipc path
 # that fits a socket address. Anything else makes connect() raise in the reaper.
-_STATUS_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})|ipc://[^\0]{1,100}")
+# A status endpoint under TOKENSPEED_STATUS hears tokenspeed's status frames instead of
+# ours (tokenspeed_status): what the tokenspeed frame front registers its prefill ranks with.
+TOKENSPEED_STATUS = "tokenspeed+"
+_STATUS_ENDPOINT = re.compile(r"(?:tokenspeed\+)?tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})|ipc://[^\0]{1,100}")
 
 
 class ProtocolError(ValueError):
@@ -265,6 +268,10 @@ class Alloc:
     # Not on the wire: Register.session_hash of the registration the alloc came under, set by
     # the worker. Rows are written only while the receiver's session is still that one.
     session_hash: int = 0
+    # A self-describing alloc (1.1): the receiver's session and status endpoint, which
+    # register it when it is not registered (or registered with others).
+    session: str | None = None
+    status: str | None = None
 
 
 @dataclass
@@ -288,6 +295,15 @@ def _short_str(msg: dict, key: str) -> str:
     return v
 
 
+def _status_endpoint(msg: dict) -> str:
+    status = _short_str(msg, "status")
+    m = _STATUS_ENDPOINT.fullmatch(status)
+    if m is None or (m.group(2) is not None and not 1 <= int(m.group(2)) <= 65535):
+        raise ProtocolError("status must be an endpoint tcp://host:port (port 1..65535) "
+                            "or ipc://path (up to 100 characters)")
+    return status
+
+
 def _incarnation(msg: dict) -> int | None:
     v = msg.get("incarnation")
     if v is not None and not is_u64(v):
@@ -298,11 +314,7 @@ def _incarnation(msg: dict) -> int | None:
 def parse_bootstrap(msg: dict) -> Register | Alloc | Cancel | Query:
     kind = msg.get("type")
     if kind == "register":
-        status = _short_str(msg, "status")
-        m = _STATUS_ENDPOINT.fullmatch(status)
-        if m is None or (m.group(2) is not None and not 1 <= int(m.group(2)) <= 65535):
-            raise ProtocolError("status must be an endpoint tcp://host:port (port 1..65535) "
-                                "or ipc://path (up to 100 characters)")
+        status = _status_endpoint(msg)
         session = _short_str(msg, "session")
         if "\0" in session or len(session.encode()) > MAX_SESSION_BYTES:
             # The receiver table keeps an incarnation after a NUL in the session's field.
@@ -328,9 +340,12 @@ def parse_bootstrap(msg: dict) -> Register | Alloc | Cancel | Query:
         raise ProtocolError("fanout must be an integer in 1..1024")
     if not isinstance(msg.get("dtype"), str) or msg["dtype"] not in DTYPES:
         raise ProtocolError(f"dtype must be one of {', '.join(DTYPES)}")
-    return Alloc(receiver, msg["room"], msg["item"], msg["dst"], msg["dst_deepstack"],
-                 msg["row_start"], msg["n_rows"], msg["span"], msg["hidden"], msg["dtype"],
-                 msg["deepstack_width"], fanout, _incarnation(msg))
+    alloc = Alloc(receiver, msg["room"], msg["item"], msg["dst"], msg["dst_deepstack"],
+                  msg["row_start"], msg["n_rows"], msg["span"], msg["hidden"], msg["dtype"],
+                  msg["deepstack_width"], fanout, _incarnation(msg))
+    if "session" in msg or "status" in msg:
+        alloc.session, alloc.status = _short_str(msg, "session"), _status_endpoint(msg)
+    return alloc
 
 
 def status_message(room: int, item: int | None, ok: bool, reason: str = "", *,
@@ -354,6 +369,14 @@ def rows_digest(parts) -> bytes:
     for part in parts:
         h.update(part)
     return h.digest()
+
+
+def tokenspeed_status(frame: bytes) -> list[bytes]:
+    """One of our status frames as tokenspeed's: [room, "5" (success) or "0" (failed), encode
+    rank "0"], ASCII. Exactly these three integer parts: anything else ends tokenspeed's
+    status thread. An item's success is its room's (tokenspeed rooms have one item)."""
+    st = msgpack.unpackb(frame, raw=False)
+    return [str(st["room"]).encode(), b"5" if st["state"] == "success" else b"0", b"0"]
 
 
 def content_hash(modality: str, grid_thw, pixel_dtype: str, pixels) -> int:

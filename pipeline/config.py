@@ -85,6 +85,11 @@ class WorkerConfig:
                               "(default: ipc://<run_dir>/intake.sock)")
     bootstrap: str = setting("tcp://127.0.0.1:17600", "tcp:// endpoint receivers send register, alloc "
                                                       "and cancel to")
+    tokenspeed_grpc: str = setting("", "host:port of the tokenspeed gRPC front: tokenspeed's gateway sends "
+                                       "TokenSpeedEncoder/Encode there ('' for none; docs/tokenspeed.md)")
+    tokenspeed_bootstrap: str = setting("", "host:port of the tokenspeed HTTP bootstrap front that tokenspeed's "
+                                            "prefill asks (its disaggregation bootstrap port); its frame "
+                                            "socket is on the next port ('' for none; docs/tokenspeed.md)")
     curve_cert: str = setting("", "the worker's CurveZMQ secret certificate (a zmq.auth .key_secret file): "
                                   "intake, bootstrap and status sockets then use CURVE ('' for none)")
     curve_clients: str = setting("", "a directory of the public certificates (zmq.auth .key files) of the "
@@ -188,6 +193,25 @@ class WorkerConfig:
             except ValueError as e:
                 raise ConfigError(str(e), "curve_cert") from None
 
+    def _check_exposure(self) -> None:
+        """Sockets off loopback only where their peers are authenticated or the operator
+        accepts the risk (pipeline/exposure.py); tokenspeed's wire has no authentication."""
+        self._check_curve()
+        for name in ("intake", "bootstrap"):
+            problem = exposure_problem(getattr(self, name), name, bool(self.curve_cert),
+                                       self.allow_insecure_network)
+            if problem:
+                raise ConfigError(problem, name)
+        for name in ("tokenspeed_grpc", "tokenspeed_bootstrap"):
+            value = getattr(self, name)
+            host, _, port = value.rpartition(":")
+            if value and (not host or not port.isdigit() or not 1 <= int(port) <= 65534):
+                raise ConfigError(f"{name} must be host:port, got {value!r}", name)
+            problem = value and exposure_problem(value, name, authenticated=False,
+                                                 allow_insecure=self.allow_insecure_network)
+            if problem:
+                raise ConfigError(problem, name)
+
     def validate(self) -> "WorkerConfig":
         try:
             shm.check_prefix(self.shm_prefix)
@@ -249,12 +273,7 @@ class WorkerConfig:
             raise ConfigError(f"intake must be an ipc:// or tcp:// endpoint, got {self.intake!r}", "intake")
         if not self.bootstrap.startswith("tcp://"):
             raise ConfigError(f"bootstrap must be a tcp:// endpoint, got {self.bootstrap!r}", "bootstrap")
-        self._check_curve()
-        for name in ("intake", "bootstrap"):
-            problem = exposure_problem(getattr(self, name), name, bool(self.curve_cert),
-                                       self.allow_insecure_network)
-            if problem:
-                raise ConfigError(problem, name)
+        self._check_exposure()
         if self.metrics_endpoint:
             host, _, port = self.metrics_endpoint.rpartition(":")
             if not host or not port.isdigit() or int(port) > 65535:

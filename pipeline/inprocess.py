@@ -15,6 +15,7 @@ from pipeline import wiring
 from pipeline.loop import Env, Loop, QueueChannel
 from pipeline.metrics import MetricsServer, Snapshot, Totals, merge_stats, totals_of
 from pipeline.runtime import RunResources, Serving, SignalFlag
+from pipeline.tokenspeed_front import Fronts, start_fronts
 from stages import registry
 from stages.registry import REQUEST_STAGE, SUPERVISOR
 
@@ -36,6 +37,7 @@ class InProcessWorker:
         self.stages = self.channel.stages  # by name, in the order a round visits them
         self.loop: Loop | None = None  # made once every stage is built
         self.metrics: MetricsServer | None = None  # the Prometheus endpoint; .port is the one bound
+        self.fronts: Fronts | None = None  # tokenspeed's, when asked for: once every stage is ready
         self.published: dict[str, dict] = {}        # each stage's stats(), copied by the loop for it
         self.published_at = 0.0
         self.run.notifier.status("starting the stages")
@@ -49,6 +51,7 @@ class InProcessWorker:
                 self.loop.settle(stage)
             if self.cfg.metrics_endpoint:
                 self.metrics = MetricsServer(self.cfg.metrics_endpoint, self.metrics_snapshot, self.serving.health)
+            self.fronts = start_fronts(self.cfg, self.spec, lambda: self.serving.draining)
         except BaseException:
             self.close()
             raise
@@ -102,7 +105,8 @@ class InProcessWorker:
 
     # ------------------------------------------------------------ state
     def stats(self) -> dict:
-        return merge_stats({name: stage.stats() for name, stage in self.stages.items()})
+        out = merge_stats({name: stage.stats() for name, stage in self.stages.items()})
+        return {**out, **self.fronts.stats()} if self.fronts is not None else out
 
     def metrics_snapshot(self) -> Snapshot:
         """What the metrics endpoint reports; called on its thread at every scrape."""
@@ -116,6 +120,9 @@ class InProcessWorker:
         return Snapshot(totals, stats, {}, arenas, self.rooms.count_live())
 
     def close(self) -> None:
+        if self.fronts is not None:
+            self.fronts.close()
+            self.fronts = None
         if self.metrics is not None:  # first: a scrape reads the objects closed below
             self.metrics.close()
             self.metrics = None

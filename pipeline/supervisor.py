@@ -30,6 +30,7 @@ from pipeline.boards import DrainOrder, Heartbeats, IntakeJournal, StatsBoard
 from pipeline.metrics import MetricsError, MetricsServer, Snapshot, StageTotals, merge_stats
 from pipeline.reclaim import Reclaimer
 from pipeline.runtime import RunResources, Serving, SignalFlag, StartError
+from pipeline.tokenspeed_front import Fronts, start_fronts
 from pipeline.stage_process import DUMP_STACKS, stage_process
 from stages import registry
 from stages.registry import REQUEST_STAGE, SUPERVISOR
@@ -97,6 +98,7 @@ class Supervisor:
         self.reclaimer = Reclaimer(self.shared, self.rings, self.tell_reaper)
         self.totals = StageTotals(self.stages)
         self.metrics: MetricsServer | None = None  # the Prometheus endpoint; .port is the one bound
+        self.fronts: Fronts | None = None  # tokenspeed's, when asked for: once every stage is ready
         self.procs: dict[str, mp.Process] = {}
         self.restarts: deque = deque()
         self.restart_counts = {name: 0 for name in self.stages}
@@ -163,6 +165,7 @@ class Supervisor:
                 proc, conn = self._spawn(name)
                 self.procs[name] = proc
                 self._await_ready(name, proc, conn, self.cfg.start_timeout_s)
+            self.fronts = start_fronts(self.cfg, self.spec, lambda: self.serving.draining)
         except BaseException:
             self._stop_processes(0.0)
             raise
@@ -292,6 +295,8 @@ class Supervisor:
     def stats(self) -> dict:
         out = merge_stats({stage: self.stats_board.read(stage) for stage in self.stages})
         out["restarts"] = dict(self.restart_counts)
+        if self.fronts is not None:
+            out.update(self.fronts.stats())
         return out
 
     def metrics_snapshot(self) -> Snapshot:
@@ -366,6 +371,9 @@ class Supervisor:
             self._await_stop(name, timeout)
 
     def close(self) -> None:
+        if self.fronts is not None:
+            self.fronts.close()
+            self.fronts = None
         if self.metrics is not None:  # first: a scrape reads the objects closed below
             self.metrics.close()
             self.metrics = None

@@ -46,7 +46,7 @@ if [ ! -e "$stamp" ]; then
     [ "${build%%:*}" = "$mooncake" ] || others+=("${build#*:}")
   done
   .venv/bin/python -m pip uninstall -q -y "${others[@]}" 2>/dev/null || true
-  .venv/bin/python -m pip install -q -e ".[$mooncake,tower,test]"
+  .venv/bin/python -m pip install -q -e ".[$mooncake,tower,tokenspeed,test]"
   rm -f .venv/.installed-*
   touch "$stamp"
 fi

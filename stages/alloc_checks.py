@@ -49,7 +49,9 @@ def alloc_problem(a: Alloc, spans: Sequence[int], taken: Sequence[Alloc], shape:
 
 def tiling_problem(item: int, span: int, allocs: Sequence[Alloc]) -> str | None:
     """Why the shards of an item's allocs (all its fanout's) do not cover its `span` rows
-    exactly once; None if they do."""
+    exactly once, nor are all full copies (identity broadcast); None if they do or are."""
+    if span and all(a.row_start == 0 and a.n_rows == span for a in allocs):
+        return None
     shards = sorted((a.row_start, a.n_rows) for a in allocs if a.n_rows)
     pos = 0
     for start, n in shards:

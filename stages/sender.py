@@ -198,7 +198,14 @@ class SenderStage(Stage):
             m.key = key
             self._on_register(m, now)
             return
-        if bound is None:
+        if isinstance(m, Alloc) and m.session is not None:
+            # Self-describing: it registers its receiver as a register would, so that a
+            # receiver that never registers again (tokenspeed's prefill) outlives our restarts.
+            if bound is None or (bound.session, bound.status, bound.incarnation) != (
+                    m.session, m.status, m.incarnation):
+                self._on_register(Register(m.receiver, m.session, m.status, m.incarnation, key), now)
+            m.session = m.status = None  # registered: a held copy (ipc/held.py) need not carry them
+        if m.receiver not in self.receivers:
             self._drop(f"{type(m).__name__.lower()} from unregistered receiver")
             return
         self._heard(m.receiver, now)

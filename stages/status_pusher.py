@@ -26,6 +26,8 @@ from collections import OrderedDict
 
 import zmq
 
+from ipc import wire
+
 # Its warnings are the reaper's: operators find them under the reaper's logger.
 log = logging.getLogger("epd.reaper")
 
@@ -132,7 +134,10 @@ class StatusPusher:
         if sock is None:
             return False
         try:
-            sock.send(frame, zmq.NOBLOCK)
+            if endpoint[0].startswith(wire.TOKENSPEED_STATUS):
+                sock.send_multipart(wire.tokenspeed_status(frame), zmq.NOBLOCK)
+            else:
+                sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:
             self._undelivered(receiver, f"its queue is full (status_hwm {self.hwm})")
         self.used_at[receiver] = self.clock()
@@ -167,7 +172,7 @@ class StatusPusher:
             if key and self.curve is not None:
                 sock.curve_secretkey, sock.curve_publickey = self.curve.secret, self.curve.public
                 sock.curve_serverkey = key.encode()
-            sock.connect(address)
+            sock.connect(address.removeprefix(wire.TOKENSPEED_STATUS))
         except zmq.ZMQError as e:  # the sender checks endpoints; this one still got past it
             sock.close(linger=0)
             self.endpoints.pop(receiver, None)

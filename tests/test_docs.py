@@ -139,6 +139,7 @@ def known_flags() -> dict[str, set[str]]:
     for path in sorted((ROOT / "benchmarks").glob("*.py")):
         known[f"benchmarks/{path.name}"] = script_flags(path)
     known["run.py bench"] = known["benchmarks/bench.py"]
+    known["tokenspeed"] = {"--disaggregation-bootstrap-port"}  # docs/tokenspeed.md: tokenspeed's own flag
     return known
 
 

@@ -16,6 +16,8 @@ TARGETS = {
     "pipeline_vs_device_bound": (">=", 0.97),
     "tiny_pipeline_vs_tower_alone": None,
     "replicas2_vs_one_device_bound": (">=", 1.8),
+    "tokenspeed_front_vs_native_throughput": (">=", 0.95),
+    "tokenspeed_front_cpu_per_image_vs_native": None,
 }
 
 

@@ -19,7 +19,10 @@ class Session:
     """One fresh worker (own shm prefix, process tree) and its client process."""
 
     def __init__(self, mode: str, tag: str, tmp: str, args, *, rooms: int, tower: str, device_s: float,
-                 grids: list, tower_config: str = "tiny", config: dict | None = None):
+                 grids: list, tower_config: str = "tiny", config: dict | None = None,
+                 client=client_main, endpoints: tuple[str, str] | None = None):
+        """`client`: the client process's entry point (client_main's signature), given
+        `endpoints` (intake, bootstrap) in place of the worker's native ones if set."""
         self.mode, self.grids = mode, [tuple(g) for g in grids]
         self.prefix = f"bench_{os.getpid()}_{tag}"
         cfg = make_config(self.prefix, tmp, tag, rooms=rooms, tower=tower, device_s=device_s, args=args,
@@ -47,8 +50,9 @@ class Session:
             self.sampler = Sampler(self.host.pid)
             self.sampler.start()
             self.client_conn, child = ctx.Pipe()
-            self.client = ctx.Process(target=client_main, name="bench-client", daemon=True,
-                                      args=(child, info["intake"], self.prefix, info["bootstrap"], info["spec"],
+            intake, bootstrap = endpoints or (info["intake"], info["bootstrap"])
+            self.client = ctx.Process(target=client, name="bench-client", daemon=True,
+                                      args=(child, intake, self.prefix, bootstrap, info["spec"],
                                             self.grids, args.seed, args.window))
             self.client.start()
             child.close()
