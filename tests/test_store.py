@@ -1,0 +1,159 @@
+"""The shared store tier: two workers of either mode and a real mooncake_master on loopback."""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+import numpy as np
+import pytest
+
+from ipc import shm
+from pipeline.client import Client, Item
+from pipeline.config import ConfigError
+from pipeline.receiver import Receiver
+from pipeline.testing.store_master import StoreMaster
+from tests.helpers import expected_sim_rows, image, sim_config, start_worker
+
+pytestmark = pytest.mark.timeout(180)
+
+_rooms = itertools.count(1)
+
+
+@pytest.fixture(params=["inprocess", "pipeline"])
+def mode(request):
+    return request.param
+
+
+@pytest.fixture
+def master(tmp_path):
+    m = StoreMaster(str(tmp_path / "master.log"))
+    yield m
+    m.close()
+
+
+def key_file(tmp_path) -> str:
+    path = tmp_path / "cache.key"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, os.urandom(32))
+    os.close(fd)
+    return str(path)
+
+
+def wait_for(cond, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def store(w) -> dict:
+    return w.stats().get("store", {})
+
+
+class Pair:
+    """Workers A and B sharing the store, a client of each, one receiver registered with both."""
+
+    def __init__(self, mode, master, shm_prefix, tmp_path):
+        keys = key_file(tmp_path)
+        self.prefixes = [f"{shm_prefix}_a", f"{shm_prefix}_b"]
+        self.workers, self.clients, self.rx = [], [], None
+        for p in self.prefixes:
+            run_dir = tmp_path / p
+            run_dir.mkdir()
+            cfg = sim_config(p, run_dir, store_master=master.address, cache_key_file=keys,
+                             store_segment_bytes=32 << 20, store_buffer_bytes=8 << 20, store_get_timeout_s=0.5)
+            self.workers.append(start_worker(mode, cfg))
+            self.clients.append(Client(cfg.intake, shm_prefix=p))
+        self.rx = Receiver("rx", [w.cfg.bootstrap for w in self.workers], buffer_bytes=16 << 20)
+        wait_for(lambda: all(store(w).get("connected") for w in self.workers), 60, "the store clients")
+
+    def encode(self, which: int, seeds: list[int]) -> dict[int, tuple]:
+        """A room per seed on worker `which`; room -> its item's pixels."""
+        w, rooms = self.workers[which], {}
+        for seed in seeds:
+            room = next(_rooms)
+            grid, pixels = image(seed, grid=(1, 4, 4))
+            self.clients[which].encode(room, f"req-{room}", [Item("image", grid, pixels)])
+            self.rx.alloc(room, 0, span=4, hidden=w.spec.hidden, dtype=w.spec.dtype,
+                          deepstack_width=w.spec.deepstack_width, worker=w.cfg.bootstrap)
+            rooms[room] = pixels
+        return rooms
+
+    def check(self, rooms: dict[int, np.ndarray]) -> None:
+        """Every room succeeded with the sim tower's rows, bit for bit."""
+        spec = self.workers[0].spec
+        assert self.rx.wait({room: 1 for room in rooms}, 60), "rooms did not conclude"
+        failed = {room: self.rx.failed[room] for room in rooms if room in self.rx.failed}
+        assert not failed, failed
+        for room, pixels in rooms.items():
+            main, deep = expected_sim_rows(pixels, "image", 4, spec.hidden, spec.deepstack_width, spec.dtype)
+            got_main, got_deep = self.rx.rows(room, 0)
+            assert np.array_equal(got_main, main) and np.array_equal(got_deep, deep), room
+            self.rx.release(room)
+
+    def close(self) -> None:
+        for obj in [self.rx, *self.clients, *self.workers]:
+            if obj is not None:
+                obj.close()
+        for p in self.prefixes:
+            left = shm.list_objects(p)
+            shm.sweep(p, include_live=True)
+            assert not left, f"left behind: {left}"
+
+
+@pytest.fixture
+def pair(mode, master, shm_prefix, tmp_path):
+    p = Pair(mode, master, shm_prefix, tmp_path)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def test_worker_b_serves_from_the_store_what_worker_a_encoded(pair):
+    a, b = pair.workers
+    pair.check(pair.encode(0, [11, 12]))
+    wait_for(lambda: store(a)["puts"] == 2, 30, "A's puts")
+    pair.check(pair.encode(1, [11, 12]))  # the same images, on B
+    stats = b.stats()
+    assert stats["tower_items"] == 0, "B's tower ran"
+    assert stats["cache_items"].get("hit_store") == 2
+    assert stats["store"]["hits"] == 2 and stats["store"]["rejected"] == 0
+
+
+def test_killed_master_fails_no_room_and_hits_resume_after_its_restart(pair, master):
+    a, b = pair.workers
+    pair.check(pair.encode(0, [21, 22, 23]))
+    wait_for(lambda: store(a)["puts"] == 3, 30, "A's puts")
+    in_flight = pair.encode(1, [21, 22, 23]) | pair.encode(0, [24, 25])
+    master.kill()
+    in_flight |= pair.encode(1, [24, 25, 26]) | pair.encode(0, [27])
+    pair.check(in_flight)  # every room succeeds: what the store could not answer was encoded
+    failures = store(b)["get_failures"] + store(b)["get_timeouts"] + store(b)["skipped"]
+    assert failures > 0, store(b)
+
+    master.start()
+    # The clients find the new master by themselves: A encodes new images until one is put.
+    seeds = itertools.count(30)
+    put_before = store(a)["puts"]
+    tried = []
+
+    def one_put() -> bool:
+        seed = next(seeds)
+        pair.check(pair.encode(0, [seed]))
+        tried.append(seed)
+        return store(a)["puts"] > put_before
+
+    wait_for(one_put, 60, "a put into the restarted master")
+    hits = store(b)["hits"]
+    pair.check(pair.encode(1, [tried[-1]]))
+    assert store(b)["hits"] == hits + 1
+
+
+def test_the_store_needs_a_shared_cache_key(tmp_path):
+    cfg = sim_config("x", tmp_path, store_master="127.0.0.1:50051").resolved()
+    with pytest.raises(ConfigError, match="cache_key_file"):
+        cfg.validate()
+    with pytest.raises(ConfigError, match="host:port"):
+        sim_config("x", tmp_path, store_master="nowhere", cache_key_file=key_file(tmp_path)).resolved().validate()
