@@ -94,8 +94,7 @@ class CacheStage(Stage):
         out = {"cache": self.cache.stats(), "dedup_hits": self.dedup_hits, "cache_items": dict(self.outcomes),
                "cache_key_id": self.content_key_id}
         if self.store is not None:
-            out["store"] = self.store.stats()
-            out["store_get_seconds"] = self.store.get_seconds.snapshot()
+            out.update(self.store.stats())
         return out
 
     def close(self) -> None:

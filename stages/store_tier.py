@@ -34,6 +34,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 
+import blake3
 import numpy as np
 
 from ipc.stats import Histogram
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 DIGEST_BYTES = 32
 NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
 MAX_ASKS = 64  # asks in flight at most; more are misses at once
-MAX_PUTS = 8  # puts queued at most (each holds its rows in the arena); more are dropped and counted
+MAX_PUTS = 32  # puts queued at most (each holds its rows in the arena); more are dropped and counted
 RETRY_S = 1.0  # between attempts to reach the master
 
 
@@ -87,6 +88,8 @@ class StoreTier:
         self.secret = secret
         self.client_factory = client_factory or _mooncake_client
         self.client = None
+        # What the store's values are fetched into: registered with the client once set up.
+        self.buffer = np.empty(settings.buffer_bytes, np.uint8)
         self.closing = threading.Event()
         self.lock = threading.Lock()
         self.wake_get = threading.Condition(self.lock)
@@ -111,9 +114,8 @@ class StoreTier:
     # -- the stage's side (its loop's thread) ------------------------------
 
     def name(self, key: tuple) -> str:
-        h = hashlib.blake2b(key=self.secret, digest_size=32, person=b"epd-store-name")
-        h.update(self.identity)
-        h.update(repr(key).encode())
+        h = blake3.blake3(key=self.secret)
+        h.update(b"epd-store-name|" + self.identity + b"|" + repr(key).encode())
         return "epd/" + h.hexdigest()
 
     def connected(self) -> bool:
@@ -125,8 +127,10 @@ class StoreTier:
 
     def ask(self, key: tuple, nbytes: int, now: float) -> bool:
         """Ask the store for `key`'s rows (`nbytes` of them); the answer comes out of
-        `answers`. False: not asked (not connected, stalled, too many asks), a miss now."""
-        if not self.connected() or self.stalled(now) or len(self.asked) >= MAX_ASKS:
+        `answers`. False: not asked (not connected, stalled, too many asks, rows larger than
+        the buffer), a miss now."""
+        if (not self.connected() or self.stalled(now) or len(self.asked) >= MAX_ASKS
+                or nbytes + DIGEST_BYTES > self.buffer.nbytes):
             self.counts["skipped"] += 1
             return False
         self.seq += 1
@@ -159,7 +163,8 @@ class StoreTier:
     def put(self, key: tuple, view: memoryview, token) -> bool:
         """Queue `view` (the rows of `key`) for the store; `token` comes back out of `done`
         once the put thread has copied `view`. False: not queued (counted)."""
-        if not self.connected() or self.puts_queued >= MAX_PUTS:
+        if (not self.connected() or self.puts_queued >= MAX_PUTS
+                or len(view) + DIGEST_BYTES > self.buffer.nbytes):
             self.counts["put_dropped"] += 1
             return False
         self.puts_queued += 1
@@ -177,8 +182,14 @@ class StoreTier:
         return out
 
     def stats(self) -> dict:
-        return {**self.counts, "connected": self.connected(), "master": self.settings.master,
-                "asks_in_flight": len(self.asked), "puts_queued": self.puts_queued}
+        """The cache stage's stats() keys of the store: its state, and what metrics count."""
+        c = self.counts
+        return {"store": {**c, "connected": self.connected(), "master": self.settings.master,
+                          "asks_in_flight": len(self.asked), "puts_queued": self.puts_queued},
+                "store_gets": {"hit": c["hits"], "miss": c["misses"], "rejected": c["rejected"],
+                               "failed": c["get_failures"], "timeout": c["get_timeouts"], "skipped": c["skipped"]},
+                "store_puts": {"stored": c["puts"], "failed": c["put_failures"], "dropped": c["put_dropped"]},
+                "store_get_seconds": self.get_seconds.snapshot()}
 
     def close(self) -> list:
         """Stop the threads; the tokens of every put not done (their views are no longer read)."""
@@ -192,15 +203,17 @@ class StoreTier:
         self.put_queue.clear()
         client, self.client = self.client, None
         if client is not None:
-            # Unmounting from a master that is gone takes seconds: not the stage's to wait for.
-            threading.Thread(target=_close_quietly, args=(client,), daemon=True).start()
+            try:
+                client.close()  # unmounts this worker's segment: its entries leave the store
+            except Exception as e:
+                log.warning("store: closing the client: %s", e)
         return left
 
     # -- the threads -------------------------------------------------------
 
     def digest(self, name: str, rows) -> bytes:
-        h = hashlib.blake2b(key=self.secret, digest_size=DIGEST_BYTES, person=b"epd-store-value")
-        h.update(name.encode())
+        h = blake3.blake3(key=self.secret)
+        h.update(b"epd-store-value|" + name.encode() + b"|")
         h.update(rows)
         return h.digest()
 
@@ -216,6 +229,8 @@ class StoreTier:
             client = self.client_factory()
             rc = client.setup(s.hostname, s.metadata, s.segment_bytes, s.buffer_bytes, s.protocol, s.device,
                               s.master)
+            if rc == 0:
+                rc = client.register_buffer(self.buffer.ctypes.data, self.buffer.nbytes)
             if rc == 0:
                 self.client = client
                 log.info("store: connected to the master at %s", s.master)
@@ -244,28 +259,22 @@ class StoreTier:
             self.calling_since = None
             self.got.append((seq, value, time.monotonic() - started))
 
-    def _get(self, name: str, nbytes: int) -> bytes | None:
-        client = self.client
-        size = client.get_size(name)
+    def _get(self, name: str, nbytes: int):
+        """The rows (a copy: the buffer is the next get's), or None."""
+        buf = self.buffer
+        size = self.client.get_into(name, buf.ctypes.data, buf.nbytes)
         if size == NOT_FOUND:
             self.counts["misses"] += 1
             return None
-        if size < 0:
+        if size < 0:  # the call failed (the master gone), or a value larger than the buffer
             self.counts["get_failures"] += 1
             return None
-        if size != nbytes + DIGEST_BYTES:
-            self.counts["rejected"] += 1
-            return None
-        value = client.get(name)
-        if not value:  # gone meanwhile (evicted), or the call failed
-            self.counts["get_failures"] += 1
-            return None
-        rows = memoryview(value)[:nbytes]
-        if len(value) != nbytes + DIGEST_BYTES or value[nbytes:] != self.digest(name, rows):
+        rows = buf[:nbytes]
+        if size != nbytes + DIGEST_BYTES or buf[nbytes:size].tobytes() != self.digest(name, rows):
             self.counts["rejected"] += 1
             return None
         self.counts["hits"] += 1
-        return rows
+        return rows.copy()
 
     def _put_loop(self) -> None:
         while True:
@@ -291,10 +300,3 @@ def _mooncake_client():
     from mooncake.store import MooncakeDistributedStore
 
     return MooncakeDistributedStore()
-
-
-def _close_quietly(client) -> None:
-    try:
-        client.close()
-    except Exception as e:
-        log.warning("store: closing the client: %s", e)

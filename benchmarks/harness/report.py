@@ -16,6 +16,8 @@ TARGETS = {
     "pipeline_vs_device_bound": (">=", 0.97),
     "tiny_pipeline_vs_tower_alone": None,
     "replicas2_vs_one_device_bound": (">=", 1.8),
+    "store_tower_work_saved": (">=", 0.45),
+    "store_hit_latency_vs_local_miss": ("<=", 0.5),
 }
 
 

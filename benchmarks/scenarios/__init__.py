@@ -7,6 +7,8 @@ from benchmarks.scenarios.device import device
 from benchmarks.scenarios.load import load
 from benchmarks.scenarios.replicas import replicas
 from benchmarks.scenarios.sim_pair import cpu, small
+from benchmarks.scenarios.store import store
 from benchmarks.scenarios.tiny import tiny
 
-SCENARIOS = {"cpu": cpu, "small": small, "device": device, "replicas": replicas, "load": load, "tiny": tiny}
+SCENARIOS = {"cpu": cpu, "small": small, "device": device, "replicas": replicas, "load": load, "tiny": tiny,
+             "store": store}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -52,6 +53,13 @@ class StoreMaster:
                     raise RuntimeError(f"mooncake_master did not come up on port {self.port}: see "
                                        f"{self.log_path}") from None
                 time.sleep(0.05)
+
+    def stop(self) -> None:
+        """SIGSTOP: a master that stalls (its port still accepts; nothing answers)."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
 
     def kill(self) -> None:
         if self.proc is not None:
