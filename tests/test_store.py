@@ -15,6 +15,7 @@ from pipeline.config import ConfigError, WorkerConfig
 from pipeline.receiver import Receiver
 from pipeline.testing.store_master import StoreMaster
 from stages.embedding_cache import make_key
+from tests.test_metrics import scrape_until, value
 from tests.helpers import expected_sim_rows, image, sim_config, start_worker
 
 pytestmark = pytest.mark.timeout(180)
@@ -64,7 +65,8 @@ class Pair:
             run_dir = tmp_path / p
             run_dir.mkdir()
             cfg = sim_config(p, run_dir, store_master=master.address, cache_key_file=keys,
-                             store_segment_bytes=32 << 20, store_buffer_bytes=8 << 20, store_get_timeout_s=0.5)
+                             store_segment_bytes=32 << 20, store_buffer_bytes=8 << 20, store_get_timeout_s=0.5,
+                             metrics_endpoint="127.0.0.1:0")
             self.workers.append(start_worker(mode, cfg))
             self.clients.append(Client(cfg.intake, shm_prefix=p))
         self.rx = Receiver("rx", [w.cfg.bootstrap for w in self.workers], buffer_bytes=16 << 20)
@@ -122,6 +124,11 @@ def test_worker_b_serves_from_the_store_what_worker_a_encoded(pair, capsys):
     assert stats["tower_items"] == 0, "B's tower ran"
     assert stats["cache_items"].get("hit_store") == 2
     assert stats["store_gets"]["hit"] == 2 and stats["store_gets"]["rejected"] == 0
+    m = scrape_until(b, lambda m: value(m, "epd_store_gets_total", outcome="hit") == 2)
+    assert value(m, "epd_items_total", cache="hit_store") == 2 and value(m, "epd_store_connected") == 1
+    assert value(m, "epd_store_get_seconds_count") == 2
+    m = scrape_until(a, lambda m: value(m, "epd_store_puts_total", outcome="stored") == 2)
+    assert value(m, "epd_store_gets_total", outcome="miss") == 2
     if b.mode == "pipeline":  # run.py status reads the tier from the published stats
         assert status.main(WorkerConfig(shm_prefix=b.cfg.shm_prefix), False) == 0
         text = capsys.readouterr().out
