@@ -237,7 +237,11 @@ class Collector:
 
         s = self.snapshot()
         counters = s.totals.counters
+        # The store's families only where it is configured: without it, the same families as before it.
+        store = s.stats.get(CACHE, {}).get("store")
         for name, text, labels, always in _COUNTERS:
+            if name.startswith("epd_store_") and not store:
+                continue
             fam = CounterMetricFamily(name, text, labels=labels)
             values = dict.fromkeys(always, 0)
             values.update({lv: v for (n, lv), v in counters.items() if n == name})
@@ -245,6 +249,8 @@ class Collector:
                 fam.add_metric(list(lv), v)
             yield fam
         for name, text in _HISTOGRAM_HELP.items():
+            if name.startswith("epd_store_") and not store:
+                continue
             counts, total = s.totals.histograms.get(name, ([0] * len(self.bounds), 0.0))
             cumulative, run = [], 0
             for bound, n in zip(self.bounds, counts):
@@ -301,7 +307,6 @@ class Collector:
             yield occupancy
             yield budget
             yield entries
-        store = s.stats.get(CACHE, {}).get("store")
         if store:
             yield GaugeMetricFamily("epd_store_connected", "1 while the cache stage's store client is set up "
                                     "(it finds a restarted master by itself)", value=int(store["connected"]))
