@@ -100,6 +100,7 @@ class StoreTier:
         self.put_done: deque = deque()  # tokens, appended by the put thread
         self.asked: dict[int, tuple] = {}  # seq -> (key, asked_at), the stage's side
         self.calling_since: float | None = None  # when the get thread's current call began
+        self.stuck = False  # an ask timed out: the store is stalled until the thread's call returns
         self.seq = 0
         self.puts_queued = 0
         self.get_seconds = Histogram()
@@ -122,8 +123,12 @@ class StoreTier:
         return self.client is not None
 
     def stalled(self, now: float) -> bool:
+        """A call past the deadline has not returned (an ask timed out, or the call is older)."""
         since = self.calling_since
-        return since is not None and now - since > self.settings.get_timeout_s
+        if since is None:
+            self.stuck = False
+            return False
+        return self.stuck or now - since > self.settings.get_timeout_s
 
     def ask(self, key: tuple, nbytes: int, now: float) -> bool:
         """Ask the store for `key`'s rows (`nbytes` of them); the answer comes out of
@@ -154,6 +159,7 @@ class StoreTier:
             self.get_seconds.observe(seconds)
             out.append((asked[0], value))
         late = [seq for seq, (_, at) in self.asked.items() if now - at > self.settings.get_timeout_s]
+        self.stuck = self.stuck or bool(late)
         for seq in late:
             key, _ = self.asked.pop(seq)
             self.counts["get_timeouts"] += 1

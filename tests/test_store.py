@@ -1,8 +1,11 @@
 """The shared store tier: two workers of either mode and a real mooncake_master on loopback."""
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
+import socket
+import threading
 import time
 
 import numpy as np
@@ -15,6 +18,7 @@ from pipeline.config import ConfigError, WorkerConfig
 from pipeline.receiver import Receiver
 from pipeline.testing.store_master import StoreMaster
 from stages.embedding_cache import make_key
+from stages.store_tier import StoreSettings, StoreTier
 from tests.test_metrics import scrape_until, value
 from tests.helpers import expected_sim_rows, image, sim_config, start_worker
 
@@ -200,3 +204,81 @@ def test_the_store_needs_a_shared_cache_key(tmp_path):
         cfg.validate()
     with pytest.raises(ConfigError, match="host:port"):
         sim_config("x", tmp_path, store_master="nowhere", cache_key_file=key_file(tmp_path)).resolved().validate()
+
+
+# ---------------------------------------------------------------- the tier alone, a client that stalls at will
+
+class StallingClient:
+    """A store client in memory whose lookups wait while `gate` is clear (a stalled master)."""
+
+    def __init__(self):
+        self.values: dict[str, bytes] = {}
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def setup(self, *args) -> int:
+        return 0
+
+    def register_buffer(self, ptr: int, size: int) -> int:
+        return 0
+
+    def get_into(self, name: str, ptr: int, size: int) -> int:
+        self.gate.wait()
+        value = self.values.get(name)
+        if value is None:
+            return -704
+        ctypes.memmove(ptr, value, len(value))
+        return len(value)
+
+    def put_parts(self, name: str, *parts) -> int:
+        self.values[name] = b"".join(bytes(p) for p in parts)
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+def answers_until(tier, n: int = 1) -> list:
+    """The next `n` answers, (key, the rows as bytes or None)."""
+    got: list = []
+    wait_for(lambda: got.extend(tier.answers(time.monotonic())) or len(got) >= n, 10, "the store's answers")
+    return [(key, None if rows is None else bytes(rows)) for key, rows in got]
+
+
+def test_the_tier_answers_every_ask_by_its_deadline_and_skips_a_stalled_store():
+    listener = socket.create_server(("127.0.0.1", 0))  # what the tier waits for before set-up
+    client = StallingClient()
+    settings = StoreSettings(f"127.0.0.1:{listener.getsockname()[1]}", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "",
+                             "127.0.0.1", get_timeout_s=0.2)
+    tier = StoreTier(settings, b"tower", os.urandom(32), client_factory=lambda: client)
+    try:
+        wait_for(tier.connected, 10, "the tier to connect")
+        rows = os.urandom(4096)
+        key, other = ("image", b"h1", 4, 64, "bfloat16", ""), ("image", b"h2", 4, 64, "bfloat16", "")
+        assert tier.put(key, memoryview(rows), "token")
+        wait_for(lambda: tier.done() == ["token"], 10, "the put")
+        assert tier.ask(key, len(rows), time.monotonic())
+        assert tier.ask(other, len(rows), time.monotonic())
+        assert sorted(answers_until(tier, 2), key=lambda a: a[0][1]) == [(key, rows), (other, None)]
+
+        name = tier.name(key)
+        client.values[name] = client.values[name][:-1] + bytes([client.values[name][-1] ^ 1])
+        assert tier.ask(key, len(rows), time.monotonic())
+        assert answers_until(tier) == [(key, None)]
+        assert tier.stats()["store_gets"] == {"hit": 1, "miss": 1, "rejected": 1, "failed": 0, "timeout": 0,
+                                              "skipped": 0}
+
+        client.gate.clear()  # stalled: the ask concludes a miss at its deadline, the next is not made
+        assert tier.ask(key, len(rows), time.monotonic())
+        assert answers_until(tier) == [(key, None)]
+        assert not tier.ask(key, len(rows), time.monotonic())
+        client.gate.set()
+        wait_for(lambda: not tier.stalled(time.monotonic()), 10, "the stuck call to return")
+        assert tier.ask(other, len(rows), time.monotonic())
+        assert answers_until(tier) == [(other, None)]
+        gets = tier.stats()["store_gets"]
+        assert gets["timeout"] == 1 and gets["skipped"] == 1
+    finally:
+        client.gate.set()
+        tier.close()
+        listener.close()
