@@ -266,7 +266,8 @@ class StoreTier:
             self.got.append((seq, value, time.monotonic() - started))
 
     def _get(self, name: str, nbytes: int):
-        """The rows (a copy: the buffer is the next get's), or None."""
+        """The rows, or None. Copied out of the buffer before their digest is checked: a
+        registered buffer is open to writes through the client's data port."""
         buf = self.buffer
         size = self.client.get_into(name, buf.ctypes.data, buf.nbytes)
         if size == NOT_FOUND:
@@ -275,12 +276,16 @@ class StoreTier:
         if size < 0:  # the call failed (the master gone), or a value larger than the buffer
             self.counts["get_failures"] += 1
             return None
-        rows = buf[:nbytes]
-        if size != nbytes + DIGEST_BYTES or buf[nbytes:size].tobytes() != self.digest(name, rows):
+        if size != nbytes + DIGEST_BYTES:
+            self.counts["rejected"] += 1
+            return None
+        value = buf[:size].copy()
+        rows = value[:nbytes]
+        if value[nbytes:].tobytes() != self.digest(name, rows):
             self.counts["rejected"] += 1
             return None
         self.counts["hits"] += 1
-        return rows.copy()
+        return rows
 
     def _put_loop(self) -> None:
         while True:
