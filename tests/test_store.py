@@ -4,6 +4,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+import signal
 import socket
 import threading
 import time
@@ -196,6 +197,25 @@ def test_killed_master_fails_no_room_and_hits_resume_after_its_restart(pair, mas
         return store(b)["hits"] > hits
 
     wait_for(b_hits_again, 60, "a hit on B after the master's restart")
+
+
+def test_a_store_node_killed_fails_no_room_of_the_others(master, shm_prefix, tmp_path):
+    """A's cache stage lends the store its segment: SIGKILLed, what the master placed there is
+    gone without an unmount; B's rooms of those images all succeed (fetched elsewhere, or encoded)."""
+    pair = Pair("pipeline", master, shm_prefix, tmp_path)
+    try:
+        a, b = pair.workers
+        pair.check(pair.encode(0, [51, 52, 53, 54]))
+        wait_for(lambda: store(a)["puts"] == 4, 30, "A's puts")
+        pid = a.runtime.procs["cache"].pid
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: getattr(a.runtime.procs["cache"], "pid", None) != pid, 30, "the supervisor to restart A's cache stage")
+        pair.check(pair.encode(1, [51, 52, 53, 54]))
+        stats = b.stats()  # the master places entries on its segments in turn: some were A's
+        assert stats["store_gets"]["hit"] + stats["tower_items"] == 4, stats["store_gets"]
+        assert stats["store_gets"]["hit"] + stats["store_gets"]["failed"] == 4, stats["store_gets"]
+    finally:
+        pair.close()
 
 
 def test_the_store_needs_a_shared_cache_key(tmp_path):
