@@ -211,9 +211,10 @@ def test_a_store_node_killed_fails_no_room_of_the_others(master, shm_prefix, tmp
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: getattr(a.runtime.procs["cache"], "pid", None) != pid, 30, "the supervisor to restart A's cache stage")
         pair.check(pair.encode(1, [51, 52, 53, 54]))
-        stats = b.stats()  # the master places entries on its segments in turn: some were A's
+        # The master places entries on its segments in turn: those in A's fail (or, once the
+        # master has dropped A's segment, miss) and are encoded.
+        stats = b.stats()
         assert stats["store_gets"]["hit"] + stats["tower_items"] == 4, stats["store_gets"]
-        assert stats["store_gets"]["hit"] + stats["store_gets"]["failed"] == 4, stats["store_gets"]
     finally:
         pair.close()
 
