@@ -19,6 +19,7 @@ from pipeline.config import ConfigError, WorkerConfig
 from pipeline.receiver import Receiver
 from pipeline.testing.store_master import StoreMaster
 from stages.embedding_cache import make_key
+from stages.records import RoomAbandoned
 from stages.store_tier import StoreSettings, StoreTier
 from tests.test_metrics import scrape_until, value
 from tests.helpers import expected_sim_rows, image, sim_config, start_worker
@@ -303,3 +304,72 @@ def test_the_tier_answers_every_ask_by_its_deadline_and_skips_a_stalled_store():
         client.gate.set()
         tier.close()
         listener.close()
+
+
+# ---------------------------------------------------------------- the cache stage while the store is asked
+
+@pytest.fixture
+def store_rig(shm_prefix):
+    """test_cache's CacheRig (the test plays intake, scheduler, tower and reaper) with a store
+    tier on a client in memory; `rig.client.gate` clear holds the lookups."""
+    from tests.test_cache import CacheRig
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    rig = CacheRig(shm_prefix)
+    rig.client = StallingClient()
+    settings = StoreSettings(f"127.0.0.1:{listener.getsockname()[1]}", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "",
+                             "127.0.0.1", get_timeout_s=5.0)
+    rig.stage.store = StoreTier(settings, b"tower", os.urandom(32), client_factory=lambda: rig.client)
+    rig.stage.row_bytes = 16  # hidden 4, float32, no deepstack
+    try:
+        wait_for(rig.stage.store.connected, 10, "the tier to connect")
+        yield rig
+    finally:
+        rig.client.gate.set()
+        rig.stage.close()
+        rig.close()
+        listener.close()
+
+
+def ticks_until(rig, dest: str) -> list:
+    """Tick the stage until it sends something to `dest`."""
+    got: list = []
+    wait_for(lambda: rig.stage.tick(time.monotonic()) or got.extend(rig.take(dest)) or got, 10, dest)
+    return got
+
+
+@pytest.mark.parametrize("stored", [True, False])
+def test_a_room_abandoned_while_the_store_is_asked_leaves_its_waiters_to_the_answer(store_rig, stored):
+    rig = store_rig
+    rig.client.gate.clear()
+    a = rig.item(1)
+    b = rig.item(2)
+    assert rig.sent == [], "the first asks the store; the second waits for it"
+    if stored:  # what another worker put meanwhile
+        rig.stage.store.put(a.key, memoryview(b"\xcc" * 16), "token")
+        wait_for(lambda: rig.stage.store.done() == ["token"], 10, "the put")
+    rig.stage.handle("reaper", RoomAbandoned(1))
+    assert rig.take("scheduler") == [], "the store's answer decides, not the abandon"
+    rig.client.gate.set()
+    if stored:
+        assert rig.received(ticks_until(rig, "sender")) == [(2, b"\xcc" * 16)]
+    else:
+        assert ticks_until(rig, "scheduler") == [b]
+        rig.into_tower(b)
+        rig.encoded(b, fill=0xBB)
+    assert rig.sent == []
+    rig.check_no_leaks()
+
+
+def test_an_item_after_every_waiter_left_waits_for_the_pending_answer(store_rig):
+    rig = store_rig
+    rig.client.gate.clear()
+    a = rig.item(1)
+    rig.stage.handle("reaper", RoomAbandoned(1))
+    rig.stage.store.put(a.key, memoryview(b"\xdd" * 16), "token")  # what another worker put meanwhile
+    wait_for(lambda: rig.stage.store.done() == ["token"], 10, "the put")
+    rig.item(2)
+    assert rig.sent == [], "no second ask, no encode: the first ask's answer serves it"
+    rig.client.gate.set()
+    assert rig.received(ticks_until(rig, "sender")) == [(2, b"\xdd" * 16)]
+    rig.check_no_leaks()
