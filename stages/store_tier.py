@@ -46,6 +46,7 @@ NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
 MAX_ASKS = 64  # asks in flight at most; more are misses at once
 MAX_PUTS = 32  # puts queued at most (each holds its rows in the arena); more are dropped and counted
 RETRY_S = 1.0  # between attempts to reach the master
+SAMPLES, SAMPLE_BYTES = 16, 64 << 10  # of each weight file, for a checkpoint's digest
 
 
 @dataclass(frozen=True)
@@ -62,21 +63,33 @@ class StoreSettings:
 
 def tower_identity(tower: str, spec, tower_config: str) -> bytes:
     """What makes two towers' rows differ: the tower, its spec (hidden, deepstack width,
-    dtype, merge, patch) and its weights: a checkpoint directory's config and the names
-    and sizes of its weight files (its contents are not read: gigabytes), or the
-    configuration the weights were seeded from."""
+    dtype, merge, patch) and its weights: a checkpoint directory's digest
+    (``checkpoint_digest``), or the configuration the weights were seeded from."""
     weights = tower_config if tower != "sim" else ""
     if weights and os.path.isdir(weights):
-        h = hashlib.sha256()
-        for name in sorted(os.listdir(weights)):
-            path = os.path.join(weights, name)
-            if name == "config.json":
-                with open(path, "rb") as f:
-                    h.update(f.read())
-            elif name.endswith((".safetensors", ".safetensors.index.json", ".bin")):
-                h.update(f"{name}:{os.path.getsize(path)}".encode())
-        weights = "checkpoint:" + h.hexdigest()
+        weights = "checkpoint:" + checkpoint_digest(weights)
     return json.dumps({"tower": tower, "spec": asdict(spec), "weights": weights}, sort_keys=True).encode()
+
+
+def checkpoint_digest(path: str) -> str:
+    """SHA-256 of a checkpoint's config.json and, of each weight file, its name, its size
+    and SAMPLES blocks spread over it (the first holds a safetensors header): a fine-tune
+    of the same shapes differs in every block, and reading whole files (gigabytes) at
+    every start is not needed for that. Identical checkpoints on two hosts agree."""
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if name == "config.json":
+            with open(full, "rb") as f:
+                h.update(f.read())
+        elif name.endswith((".safetensors", ".bin", ".pt")):
+            size = os.path.getsize(full)
+            h.update(f"{name}:{size}".encode())
+            with open(full, "rb") as f:
+                for k in range(SAMPLES):
+                    f.seek(max(0, size - SAMPLE_BYTES) * k // (SAMPLES - 1))
+                    h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()
 
 
 class StoreTier:

@@ -20,7 +20,7 @@ from pipeline.receiver import Receiver
 from pipeline.testing.store_master import StoreMaster
 from stages.embedding_cache import make_key
 from stages.records import RoomAbandoned
-from stages.store_tier import StoreSettings, StoreTier
+from stages.store_tier import StoreSettings, StoreTier, tower_identity
 from tests.test_metrics import scrape_until, value
 from tests.helpers import expected_sim_rows, image, sim_config, start_worker
 
@@ -373,3 +373,21 @@ def test_an_item_after_every_waiter_left_waits_for_the_pending_answer(store_rig)
     rig.client.gate.set()
     assert rig.received(ticks_until(rig, "sender")) == [(2, b"\xdd" * 16)]
     rig.check_no_leaks()
+
+
+def test_checkpoints_of_the_same_shapes_and_other_weights_have_other_identities(tmp_path):
+    from stages.towers.base import TowerSpec
+
+    spec = TowerSpec("qwen2.5-vl", 3584, 0, "bfloat16", 2, 1176, 2, 14)
+    dirs = []
+    for k, weights in enumerate((b"\x01" * (1 << 20), b"\x01" * (1 << 20), b"\x01" * ((1 << 20) - 1) + b"\x02")):
+        d = tmp_path / f"ckpt{k}"
+        d.mkdir()
+        (d / "config.json").write_text('{"vision_config": {}}')
+        (d / "model.safetensors").write_bytes(weights)
+        dirs.append(str(d))
+    ids = [tower_identity("qwen2.5-vl", spec, d) for d in dirs]
+    assert ids[0] == ids[1], "the same checkpoint in two places"
+    assert ids[0] != ids[2], "a fine-tune of the same shapes"
+    assert tower_identity("qwen2.5-vl", spec, "tiny") != ids[0]
+    assert tower_identity("qwen3-vl", spec, "tiny") != tower_identity("qwen2.5-vl", spec, "tiny")
