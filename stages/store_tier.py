@@ -113,6 +113,7 @@ class StoreTier:
         self.put_done: deque = deque()  # tokens, appended by the put thread
         self.asked: dict[int, tuple] = {}  # seq -> (key, asked_at), the stage's side
         self.calling_since: float | None = None  # when the get thread's current call began
+        self.putting_since: float | None = None  # when the put thread's current call began
         self.stuck = False  # an ask timed out: the store is stalled until the thread's call returns
         self.seq = 0
         self.puts_queued = 0
@@ -181,9 +182,13 @@ class StoreTier:
 
     def put(self, key: tuple, view: memoryview, token) -> bool:
         """Queue `view` (the rows of `key`) for the store; `token` comes back out of `done`
-        once the put thread has copied `view`. False: not queued (counted)."""
+        once the put thread has copied `view`. False: not queued (counted): not connected,
+        too many queued, rows larger than the buffer, or a put stuck past the deadline (a
+        stalled master: rows queued behind it would hold their leases)."""
+        since = self.putting_since
         if (not self.connected() or self.puts_queued >= MAX_PUTS
-                or len(view) + DIGEST_BYTES > self.buffer.nbytes):
+                or len(view) + DIGEST_BYTES > self.buffer.nbytes
+                or (since is not None and time.monotonic() - since > self.settings.get_timeout_s)):
             self.counts["put_dropped"] += 1
             return False
         self.puts_queued += 1
@@ -311,17 +316,24 @@ class StoreTier:
                     self.wake_put.wait()
                 if self.closing.is_set():
                     return
-                name, view, token = self.put_queue.popleft()
-            # A copy, so the rows' lease goes back now, not after a call a stalled master may hold.
-            rows = np.frombuffer(view, np.uint8).copy()
-            del view
-            self.put_done.append(token)
-            try:
-                rc = self.client.put_parts(name, rows, self.digest(name, rows))
-            except Exception as e:
-                log.warning("store: put failed: %s", e)
-                rc = -1
-            self.counts["puts" if rc == 0 else "put_failures"] += 1
+                queued = list(self.put_queue)
+                self.put_queue.clear()
+            # Copies of every queued view first, so their leases go back now, not after calls
+            # that a stalled master may hold.
+            copies = []
+            for name, view, token in queued:
+                copies.append((name, np.frombuffer(view, np.uint8).copy()))
+                self.put_done.append(token)
+            del queued, view
+            for name, rows in copies:
+                self.putting_since = time.monotonic()
+                try:
+                    rc = self.client.put_parts(name, rows, self.digest(name, rows))
+                except Exception as e:
+                    log.warning("store: put failed: %s", e)
+                    rc = -1
+                self.putting_since = None
+                self.counts["puts" if rc == 0 else "put_failures"] += 1
 
 
 def _mooncake_client():

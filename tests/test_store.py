@@ -237,6 +237,8 @@ class StallingClient:
         self.values: dict[str, bytes] = {}
         self.gate = threading.Event()
         self.gate.set()
+        self.put_gate = threading.Event()  # the same for puts
+        self.put_gate.set()
 
     def setup(self, *args) -> int:
         return 0
@@ -253,6 +255,7 @@ class StallingClient:
         return len(value)
 
     def put_parts(self, name: str, *parts) -> int:
+        self.put_gate.wait()
         self.values[name] = b"".join(bytes(p) for p in parts)
         return 0
 
@@ -300,8 +303,18 @@ def test_the_tier_answers_every_ask_by_its_deadline_and_skips_a_stalled_store():
         assert answers_until(tier) == [(other, None)]
         gets = tier.stats()["store_gets"]
         assert gets["timeout"] == 1 and gets["skipped"] == 1
+
+        client.put_gate.clear()  # a put that stalls gives its rows back at once, and no more are queued
+        assert tier.put(other, memoryview(rows), "stalled")
+        wait_for(lambda: tier.done() == ["stalled"], 10, "the rows' copy")
+        wait_for(lambda: tier.putting_since is not None and time.monotonic() - tier.putting_since > 0.2, 10,
+                 "the put to pass the deadline")
+        assert not tier.put(key, memoryview(rows), "refused")
+        client.put_gate.set()
+        wait_for(lambda: tier.stats()["store_puts"] == {"stored": 2, "failed": 0, "dropped": 1}, 10, "the put")
     finally:
         client.gate.set()
+        client.put_gate.set()
         tier.close()
         listener.close()
 
