@@ -1,4 +1,7 @@
-"""The shared store tier: two workers of either mode and a real mooncake_master on loopback."""
+"""The shared store tier: two workers of either mode and a real mooncake_master on loopback
+(served across workers, a forged value, a stalled, killed and restarted master, a killed
+store node); then the tier alone and the cache stage beside it, on a client in memory that
+stalls at will; and the towers' identities."""
 from __future__ import annotations
 
 import ctypes
