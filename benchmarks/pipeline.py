@@ -77,6 +77,11 @@ as before, and never MISSED):
   alive together, trials alternating. Target >= 0.95.
   tokenspeed_front_cpu_per_image_vs_native: CPU per image of every process, the
   same way (best trials; no target).
+- store_tower_work_saved, store_hit_latency_vs_local_miss (scenario store, not by
+  default: benchmarks/scenarios/store.py): two pipeline workers sharing a Mooncake
+  Store, every image to worker A then to worker B; the share of tower items the store
+  saved against the same run without it (target >= 0.45, 0.5 the ceiling), and the p50
+  latency of a room B serves from the store / of a room A encodes (target <= 0.5).
 - peak resident memory of each worker's process tree (for the pipeline, the
   supervisor and every stage), sampled at 10 Hz as a sum of RSS (a shared page
   counts in every process that maps it); PSS (each shared page split among its
@@ -125,8 +130,8 @@ def parse_args(argv) -> tuple[argparse.Namespace, set]:
     ap.add_argument("--window", type=int, default=64, help="rooms in flight at the receiver")
     ap.add_argument("--scenarios", default="cpu,small,device,tiny,replicas,tokenspeed",
                     help="comma-separated subset of cpu, small, device, tiny, replicas, tokenspeed (device needs "
-                         "cpu), and load: "
-                         "images/s of both modes at each of --load-windows rooms in flight (not by default)")
+                         "cpu), and load: images/s of both modes at each of --load-windows rooms in flight, and "
+                         "store: two workers sharing a Mooncake Store (neither by default)")
     ap.add_argument("--load-windows", default="1,2,4,8,16,32,64",
                     help="rooms in flight for the load scenario (default %(default)s; at most --window)")
     ap.add_argument("--seed", type=int, default=1)

@@ -122,6 +122,17 @@ class WorkerConfig:
     arena_cache_bytes: int = size_setting(128 << 20, "the ship-ready cache tier, inside the embedding arena "
                                                      "(at most half of it)")
     host_cache_bytes: int = size_setting(1 << 30, "the host-DRAM cache tier")
+    store_master: str = setting("", "host:port of a mooncake_master: its Mooncake Store is a cache tier that "
+                                    "the workers pointed at it share, behind host DRAM; they must share "
+                                    "cache_key_file too ('' for none: docs/store.md)")
+    store_metadata: str = setting("P2PHANDSHAKE", "the store client's metadata server: P2PHANDSHAKE (none), "
+                                                  "or http://host:port/metadata of an HTTP metadata server")
+    store_segment_bytes: int = size_setting(1 << 30, "the memory this worker lends the store (the shared "
+                                                     "tier's size is the sum of its workers')")
+    store_buffer_bytes: int = size_setting(64 << 20, "the store client's staging buffer: an item's rows "
+                                                     "larger than it are neither put nor fetched")
+    store_get_timeout_s: float = setting(0.1, "a store lookup not answered by then is a miss (the item is "
+                                              "encoded); while one is stuck past it, the store is not asked")
     trust_client_hash: bool = setting(False, "use the client's content hash instead of hashing the pixels")
     cache_key_file: str = setting("", "a file of the key pixels are hashed under for the cache (32 bytes, or 64 "
                                       "hex digits; not readable by every user), to share one key among "
@@ -280,12 +291,30 @@ class WorkerConfig:
                 raise ConfigError(f"metrics_endpoint must be '' or host:port (a port 0-65535), "
                                   f"got {self.metrics_endpoint!r}", "metrics_endpoint")
         parse_numa(self.numa, self.tower_replicas)
+        self._validate_shared_cache()
+        return self
+
+    def _validate_shared_cache(self) -> None:
         if self.cache_key_file:
             try:
                 read_key_file(self.cache_key_file)
             except ValueError as e:
                 raise ConfigError(f"cache_key_file: {e}", "cache_key_file") from None
-        return self
+        if not self.store_master:
+            return
+        host, _, port = self.store_master.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ConfigError(f"store_master must be host:port (a port 1-65535), got {self.store_master!r}",
+                              "store_master")
+        if not self.cache_key_file:
+            raise ConfigError("store_master needs cache_key_file: the workers that share a store must hash "
+                              "pixels under one key (the same file on each), or none finds another's "
+                              "entries", "cache_key_file")
+        if self.store_segment_bytes < 0 or self.store_buffer_bytes < 1:
+            raise ConfigError("store_segment_bytes must be >= 0 and store_buffer_bytes >= 1", "store_buffer_bytes")
+        if not self.store_get_timeout_s > 0:
+            raise ConfigError(f"store_get_timeout_s must be > 0, got {self.store_get_timeout_s}",
+                              "store_get_timeout_s")
 
     def tower_settings(self) -> dict:
         """The keyword arguments of build_tower(self.tower, ...), from the chosen tower's settings."""

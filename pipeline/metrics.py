@@ -63,6 +63,7 @@ _HISTOGRAMS = {
     "room_latency_seconds": "epd_room_latency_seconds",
     "scheduler_queue_wait_seconds": "epd_scheduler_queue_wait_seconds",
     "alloc_wait_seconds": "epd_alloc_wait_seconds",
+    "store_get_seconds": "epd_store_get_seconds",
 }
 
 
@@ -76,6 +77,9 @@ def totals_of(stats: dict) -> Totals:
         c[("epd_rooms_total", (outcome, reason))] = n
     for outcome, n in stats.get("cache_items", {}).items():
         c[("epd_items_total", (outcome,))] = n
+    for what in ("gets", "puts"):
+        for outcome, n in stats.get(f"store_{what}", {}).items():
+            c[(f"epd_store_{what}_total", (outcome,))] = n
     for key, name in _PLAIN_COUNTERS.items():
         if key in stats:
             c[(name, ())] = stats[key]
@@ -153,6 +157,12 @@ _COUNTERS = [
     ("epd_items_total", "Items by cache outcome: hit_arena, hit_host (promoted), miss (encoded), "
      "inflight_duplicate (waited for an identical item being encoded)",
      ("cache",), [("hit_arena",), ("hit_host",), ("miss",), ("inflight_duplicate",)]),
+    ("epd_store_gets_total", "Lookups of the shared store (store_master), by outcome: hit, miss, rejected "
+     "(the value failed its size or digest check), failed (the call failed: the master gone), timeout (no "
+     "answer within store_get_timeout_s), skipped (not asked: not connected, or a call stuck past its "
+     "deadline); all but hit encode the item", ("outcome",), []),
+    ("epd_store_puts_total", "Encoded rows put into the shared store, by outcome: stored, failed, dropped "
+     "(not queued: not connected, or too many queued)", ("outcome",), []),
     ("epd_tower_batches_total", "Batches the vision tower ran", (), [()]),
     ("epd_tower_items_total", "Items the vision tower encoded", (), [()]),
     ("epd_tower_rows_total", "Embedding rows (merged tokens) the vision tower produced", (), [()]),
@@ -167,6 +177,8 @@ _HISTOGRAM_HELP = {
                                         "its batch going to a tower",
     "epd_alloc_wait_seconds": "Time from an item's embedding being ready at the sender to its allocs "
                               "being complete (every shard's alloc arrived)",
+    "epd_store_get_seconds": "Shared-store lookup time, from the call to its answer, hit or not (a lookup "
+                             "past store_get_timeout_s counts as a timeout instead)",
 }
 
 
@@ -225,7 +237,11 @@ class Collector:
 
         s = self.snapshot()
         counters = s.totals.counters
+        # The store's families only where it is configured: without it, the same families as before it.
+        store = s.stats.get(CACHE, {}).get("store")
         for name, text, labels, always in _COUNTERS:
+            if name.startswith("epd_store_") and not store:
+                continue
             fam = CounterMetricFamily(name, text, labels=labels)
             values = dict.fromkeys(always, 0)
             values.update({lv: v for (n, lv), v in counters.items() if n == name})
@@ -233,6 +249,8 @@ class Collector:
                 fam.add_metric(list(lv), v)
             yield fam
         for name, text in _HISTOGRAM_HELP.items():
+            if name.startswith("epd_store_") and not store:
+                continue
             counts, total = s.totals.histograms.get(name, ([0] * len(self.bounds), 0.0))
             cumulative, run = [], 0
             for bound, n in zip(self.bounds, counts):
@@ -289,6 +307,9 @@ class Collector:
             yield occupancy
             yield budget
             yield entries
+        if store:
+            yield GaugeMetricFamily("epd_store_connected", "1 while the cache stage's store client is set up "
+                                    "(it finds a restarted master by itself)", value=int(store["connected"]))
         yield GaugeMetricFamily("epd_rooms_live", "Rooms not yet concluded", value=s.live_rooms)
 
 

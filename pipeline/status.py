@@ -122,10 +122,14 @@ def read_run(prefix: str, run_id: str, pid: int) -> dict:
         finally:
             hb.close()
         out["stages"] = stages
-        cache = StatsBoard(segment("stats")).read(registry.CACHE).get("cache")
+        published = StatsBoard(segment("stats")).read(registry.CACHE)
+        cache = published.get("cache")
         if cache:
             out["cache"] = {tier: {"bytes": cache[f"{tier}_bytes"], "budget_bytes": cache[f"{tier}_budget"],
                                    "entries": cache[f"{tier}_entries"]} for tier in ("arena", "host")}
+        if published.get("store"):
+            out["store"] = {**published["store"], "gets": published["store_gets"],
+                            "puts": published["store_puts"]}
         return out
     finally:
         for seg in opened:
@@ -160,6 +164,12 @@ def format_run(run: dict) -> str:
             for tier, c in cache.items()))
     else:
         lines.append("cache: not published yet (the cache stage is starting)")
+    store = run.get("store")
+    if store:
+        state = "connected" if store["connected"] else "not connected (local tiers only)"
+        lines.append(f"store tier: master {store['master']}, {state}; gets " +
+                     ", ".join(f"{k} {v}" for k, v in store["gets"].items()) + "; puts " +
+                     ", ".join(f"{k} {v}" for k, v in store["puts"].items()))
     return "\n".join(lines)
 
 

@@ -1,15 +1,17 @@
 """Hash/cache stage: content hash, cache lookup, one encode for identical misses in flight."""
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import replace
 
 from ipc import wire
-from ipc.arena import Arena, Lease, StaleLease
+from ipc.arena import Arena, ArenaFull, Lease, StaleLease
 from ipc.stats import ReasonCode
 from stages import registry
-from stages.base import Stage
+from stages.base import POLL_S, Stage
 from stages.embedding_cache import EmbeddingCache, InflightMisses, cache_key, make_key
+from stages.store_tier import StoreSettings, StoreTier, tower_identity
 from stages.records import (OWNER_CACHE, OWNER_INTAKE, Encoded, EncodeFailed, ReadyItem, RoomAbandoned,
                             RoomFailure, SpaceWanted, WorkItem)
 
@@ -24,13 +26,21 @@ class CacheStage(Stage):
     Items are keyed by the keyed hash intake took of their pixels under the run's
     `content_key` (or a trusted client's own hash), their shape, and their request's
     cache_salt: items of different salts share neither an entry nor an encode.
+
+    With a shared store (`store`), the first miss of a key asks it before it goes to the
+    scheduler, and waits for the answer in this stage's custody (with the identical
+    items behind it); a hit is shipped like an encode, a miss (or no answer by the
+    store's deadline) is scheduled. What the tower encodes is put into the store.
+    Workers do not single-flight among themselves: identical misses on two workers at
+    once are each encoded.
     """
 
     name = registry.CACHE
     owner = OWNER_CACHE
 
     def __init__(self, emit, *, pixel_arena: Arena, cache: EmbeddingCache, hidden: int, dtype: str,
-                 trust_client_hash: bool = False, custody=None, content_key: bytes | None = None):
+                 trust_client_hash: bool = False, custody=None, content_key: bytes | None = None,
+                 row_bytes: int = 0, store: StoreTier | None = None):
         super().__init__(emit, custody)
         # The run's key (the same as intake's): items whose pixels intake did not hash are hashed here.
         self.content_key = content_key if content_key is not None else wire.new_cache_key()
@@ -41,12 +51,17 @@ class CacheStage(Stage):
         self.hidden = hidden
         self.dtype = dtype
         self.trust_client_hash = trust_client_hash
+        self.row_bytes = row_bytes  # of an entry (main and deepstack halves): what the store must answer
+        self.store = store
+        self.asking: set = set()  # keys asked of the store, unanswered
         self.inflight = InflightMisses()
         self.dedup_hits = 0
-        self.outcomes = Counter()  # items by cache outcome: hit_arena, hit_host, miss, inflight_duplicate
-        # Encoded rows go to their waiters first and into the cache after (flush_inserts):
-        # inserting can demote an older entry, a copy of megabytes that need not delay a send.
-        self.pending_inserts: list[tuple[tuple, Lease]] = []
+        # items by cache outcome: hit_arena, hit_host, hit_store, miss, inflight_duplicate
+        self.outcomes = Counter()
+        # Encoded rows go to their waiters first and into the cache (and the store) after
+        # (flush_inserts): inserting can demote an older entry, a copy of megabytes that need
+        # not delay a send. (key, lease, whether to put it into the store)
+        self.pending_inserts: list[tuple[tuple, Lease, bool]] = []
 
     def handle(self, source: str, rec) -> None:
         match rec:
@@ -66,13 +81,27 @@ class CacheStage(Stage):
 
     def tick(self, now: float) -> None:
         self.flush_inserts()
+        if self.store is not None:
+            for key, rows in self.store.answers(now):
+                self._store_answered(key, rows)
+            for lease in self.store.done():
+                self._drop_rows(lease)
+
+    def next_tick_in(self, now: float) -> float | None:
+        return POLL_S if self.store is not None and self.store.pending() else None
 
     def stats(self) -> dict:
-        return {"cache": self.cache.stats(), "dedup_hits": self.dedup_hits, "cache_items": dict(self.outcomes),
-                "cache_key_id": self.content_key_id}
+        out = {"cache": self.cache.stats(), "dedup_hits": self.dedup_hits, "cache_items": dict(self.outcomes),
+               "cache_key_id": self.content_key_id}
+        if self.store is not None:
+            out.update(self.store.stats())
+        return out
 
     def close(self) -> None:
         self.flush_inserts()
+        if self.store is not None:
+            for lease in self.store.close():
+                self._drop_rows(lease)
         self.cache.clear()
 
     def key_of(self, w: WorkItem) -> tuple:
@@ -87,12 +116,28 @@ class CacheStage(Stage):
 
     def flush_inserts(self) -> None:
         pending, self.pending_inserts = self.pending_inserts, []
-        for key, lease in pending:
+        for key, lease, to_store in pending:
             self.cache.insert(key, lease)
-            try:
-                self.emb_arena.drop(lease, OWNER_CACHE)
-            except StaleLease:
-                pass
+            if to_store and self.store is not None:
+                self._put(key, lease)
+            self._drop_rows(lease)
+
+    def _put(self, key: tuple, lease: Lease) -> None:
+        """The store's put thread reads the rows: a reference of ours keeps them until it has."""
+        try:
+            self.emb_arena.addref(lease, OWNER_CACHE)
+            view = self.emb_arena.view(lease)
+        except StaleLease:
+            return
+        if not self.store.put(key, view, lease):
+            view.release()
+            self._drop_rows(lease)
+
+    def _drop_rows(self, lease: Lease) -> None:
+        try:
+            self.emb_arena.drop(lease, OWNER_CACHE)
+        except StaleLease:
+            pass
 
     def _item(self, w: WorkItem) -> None:
         self.custody.hold(w.slot, w.room)
@@ -112,12 +157,60 @@ class CacheStage(Stage):
             self.emit(registry.SENDER, ReadyItem(w.slot, w.room, w.item, w.span, lease))
             self.custody.release(w.slot, w.room)
         elif self.inflight.begin(w.key, w):
-            self.outcomes["miss"] += 1
-            self.emit(registry.SCHEDULER, w)
-            self.custody.release(w.slot, w.room)
+            if w.key in self.asking:  # its predecessor's room failed while the store was asked
+                return
+            if self.store is not None and self.store.ask(w.key, w.span * self.row_bytes, time.monotonic()):
+                self.asking.add(w.key)  # in our custody until the store answers (tick)
+                return
+            self._schedule(w)
         else:  # waits, in our custody, for the identical item in flight
             self.dedup_hits += 1
             self.outcomes["inflight_duplicate"] += 1
+
+    def _schedule(self, w: WorkItem) -> None:
+        self.outcomes["miss"] += 1
+        self.emit(registry.SCHEDULER, w)
+        self.custody.release(w.slot, w.room)
+
+    def _store_answered(self, key: tuple, rows) -> None:
+        """The store's rows of `key` (checked), or None: its first waiter goes to be encoded."""
+        self.asking.discard(key)
+        lease = self._lease_of(rows) if rows is not None else None
+        if lease is None:
+            waiters = self.inflight.waiting(key)
+            if waiters:
+                self._schedule(waiters[0])
+            return
+        self.pending_inserts.append((key, lease, False))
+        waiters = self.inflight.finish(key)
+        if waiters:
+            self.outcomes["hit_store"] += 1
+        self._ship(waiters, lease)
+
+    def _lease_of(self, rows) -> Lease | None:
+        """The store's rows in a lease of ours, or None when the arena has no room now (encoded then)."""
+        try:
+            lease = self.emb_arena.alloc(len(rows), OWNER_CACHE)
+        except ArenaFull:
+            return None
+        if lease is not None:
+            with self.emb_arena.view(lease) as mv:
+                mv[:] = rows
+        return lease
+
+    def _ship(self, waiters: list, lease: Lease) -> None:
+        """Each waiter to the sender with a reference of ours on `lease` (in our custody until then)."""
+        ready = []
+        for w in waiters:
+            self._drop_pixels(w)
+            try:
+                self.emb_arena.addref(lease, OWNER_CACHE)
+            except StaleLease:
+                continue
+            ready.append(ReadyItem(w.slot, w.room, w.item, w.span, lease))
+        for r in ready:
+            self.emit(registry.SENDER, r)
+            self.custody.release(r.slot, r.room)
 
     def _encoded(self, encoded: WorkItem, source: str) -> None:
         """The tower wrote `encoded`'s rows into its lease and sent them on to the sender
@@ -131,25 +224,13 @@ class CacheStage(Stage):
                                 ReasonCode.STAGE_DIED)
             return
         key, lease = encoded.key, encoded.out
-        self.pending_inserts.append((key, lease))
+        self.pending_inserts.append((key, lease, True))
         waiters = self.inflight.finish(key)
         if waiters and not _same(waiters[0], encoded):
             # `encoded` led until its room failed; the waiter encoded in its place
             # (_abandon) gets its own rows, the others need not wait for them
             self.inflight.begin(key, waiters.pop(0))
-        ready = []
-        for w in waiters:
-            if w is encoded or _same(w, encoded):
-                continue
-            self._drop_pixels(w)
-            try:
-                self.emb_arena.addref(lease, OWNER_CACHE)
-            except StaleLease:
-                continue
-            ready.append(ReadyItem(w.slot, w.room, w.item, w.span, lease))
-        for r in ready:  # waiters, in our custody
-            self.emit(registry.SENDER, r)
-            self.custody.release(r.slot, r.room)
+        self._ship([w for w in waiters if not _same(w, encoded)], lease)
 
     def _encode_failed(self, w: WorkItem, reason: str, failed_rooms, code: ReasonCode) -> None:
         """Waiters whose rooms failed with the encode fail; the first of the others is
@@ -187,13 +268,15 @@ class CacheStage(Stage):
             if not any(w.room == room for w in waiters):
                 continue
             keep = [w for w in waiters if w.room != room]
-            for w in waiters[1:]:  # the first one's pixels are the scheduler's or the tower's
+            # The first one's pixels are the scheduler's or the tower's, unless the store is being asked.
+            asking = key in self.asking
+            for w in waiters if asking else waiters[1:]:
                 if w.room == room:
                     self._drop_pixels(w)
             self.inflight.abort(key)
             for w in keep:
                 self.inflight.begin(key, w)
-            if keep and waiters[0].room == room:
+            if keep and waiters[0].room == room and not asking:  # else the store's answer decides
                 promoted.append(keep[0])
         for w in promoted:
             self.emit(registry.SCHEDULER, w)
@@ -217,6 +300,13 @@ def _same(a: WorkItem, b: WorkItem) -> bool:
 def build(env, name, emit, custody) -> CacheStage:
     cfg, spec, sh = env.cfg, env.spec, env.shared
     cache = EmbeddingCache(sh.emb_arena, OWNER_CACHE, cfg.arena_cache_bytes, cfg.host_cache_bytes)
+    content_key = cache_key(cfg.cache_key_file, cfg.shm_prefix, env.run_id)
+    store = None
+    if cfg.store_master:
+        settings = StoreSettings(cfg.store_master, cfg.store_metadata, cfg.store_segment_bytes,
+                                 cfg.store_buffer_bytes, cfg.protocol, cfg.device, cfg.hostname,
+                                 cfg.store_get_timeout_s)
+        store = StoreTier(settings, tower_identity(cfg.tower, spec, cfg.tower_config), content_key)
     return CacheStage(emit, pixel_arena=sh.pixel_arena, cache=cache, hidden=spec.hidden, dtype=spec.dtype,
-                      trust_client_hash=cfg.trust_client_hash, custody=custody,
-                      content_key=cache_key(cfg.cache_key_file, cfg.shm_prefix, env.run_id))
+                      trust_client_hash=cfg.trust_client_hash, custody=custody, content_key=content_key,
+                      row_bytes=spec.row_bytes, store=store)

@@ -18,6 +18,8 @@ TARGETS = {
     "replicas2_vs_one_device_bound": (">=", 1.8),
     "tokenspeed_front_vs_native_throughput": (">=", 0.95),
     "tokenspeed_front_cpu_per_image_vs_native": None,
+    "store_tower_work_saved": (">=", 0.45),
+    "store_hit_latency_vs_local_miss": ("<=", 0.5),
 }
 
 

@@ -7,8 +7,9 @@ from benchmarks.scenarios.device import device
 from benchmarks.scenarios.load import load
 from benchmarks.scenarios.replicas import replicas
 from benchmarks.scenarios.sim_pair import cpu, small
+from benchmarks.scenarios.store import store
 from benchmarks.scenarios.tiny import tiny
 from benchmarks.scenarios.tokenspeed import tokenspeed
 
 SCENARIOS = {"cpu": cpu, "small": small, "device": device, "replicas": replicas, "load": load, "tiny": tiny,
-             "tokenspeed": tokenspeed}
+             "tokenspeed": tokenspeed, "store": store}
