@@ -1,0 +1,83 @@
+"""A tiny random-weight Qwen2.5-VL checkpoint with a locally trained tokenizer: a model
+vLLM serves in seconds on a CPU, built without a download, for the vLLM connector's
+tests and benchmark. Its vision tower is what the worker loads with
+`--tower qwen2.5-vl --tower-config DIR`, so both sides hold the same weights."""
+from __future__ import annotations
+
+import os
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+           "<|image_pad|>", "<|video_pad|>"]
+
+VISION = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=128,
+              in_channels=3, patch_size=14, temporal_patch_size=2, spatial_merge_size=2,
+              window_size=56, fullatt_block_indexes=[1])
+
+# Qwen2-VL's chat template, less its tool and system-prompt branches.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CORPUS = [
+    "What is in this picture? Describe the image in a few words.",
+    "A cat sits on a red mat next to a small green plant.",
+    "The quick brown fox jumps over the lazy dog, twice.",
+    "Count the objects in the image and name their colours.",
+    "user assistant system: answer briefly and precisely.",
+]
+
+
+def build(path: str, *, seed: int = 0, max_pixels: int = 112 * 112) -> str:
+    """Write the checkpoint into directory `path` (created) and return it."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (
+        PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLImageProcessor, Qwen2VLVideoProcessor, Qwen2_5_VLProcessor,
+    )
+
+    os.makedirs(path, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL[1:])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    ids = {t: tok.token_to_id(t) for t in SPECIAL}
+    image_processor = Qwen2VLImageProcessor(
+        patch_size=14, temporal_patch_size=2, merge_size=2,
+        min_pixels=28 * 28, max_pixels=max_pixels)
+    video_processor = Qwen2VLVideoProcessor(
+        patch_size=14, temporal_patch_size=2, merge_size=2,
+        min_pixels=28 * 28, max_pixels=max_pixels)
+    processor = Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                    video_processor=video_processor, chat_template=CHAT_TEMPLATE)
+    vocab = 512
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                          "mrope_section": [4, 6, 6]},
+                         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                         pad_token_id=ids["<|endoftext|>"]),
+        vision_config=VISION, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2_5_VLForConditionalGeneration(cfg).to(torch.bfloat16)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
