@@ -82,6 +82,7 @@ class Settings:
     hidden: int
     deepstack_width: int
     dtype: str
+    shm_prefix: str
 
     @classmethod
     def of(cls, vllm_config) -> "Settings":
@@ -106,7 +107,7 @@ class Settings:
                    hostname=str(extra.get("hostname", "127.0.0.1")),
                    hidden=int(extra.get("hidden", hidden)),
                    deepstack_width=int(extra.get("deepstack_width", layers * hidden)),
-                   dtype=dtype)
+                   dtype=dtype, shm_prefix=shm.check_prefix(str(extra.get("shm_prefix", SEGMENT_PREFIX))))
 
 
 def room_params(params: Any, workers: tuple[str, ...]) -> tuple[int, str, dict[str, int]]:
@@ -144,12 +145,12 @@ class EPDConnector(ECConnectorBase):
 
     # ------------------------------------------------------------ scheduler side
     def _start_scheduler_side(self) -> None:
-        swept = shm.sweep(SEGMENT_PREFIX)
+        s = self.settings
+        swept = shm.sweep(s.shm_prefix)
         if swept:
             log.info("EPDConnector: removed %d segments of dead engines: %s", len(swept), ", ".join(swept))
-        s = self.settings
-        self.lock = shm.RunLock(SEGMENT_PREFIX)
-        self.segment = shm.Segment.create(shm.object_name(SEGMENT_PREFIX, self.lock.run_id, "rx"),
+        self.lock = shm.RunLock(s.shm_prefix)
+        self.segment = shm.Segment.create(shm.object_name(s.shm_prefix, self.lock.run_id, "rx"),
                                           s.buffer_bytes)
         buffer = np.frombuffer(self.segment.buf, dtype=np.uint8)
         self.receiver = Receiver(f"vllm-{socket.gethostname()}-{os.getpid()}-{self.lock.run_id}",
@@ -162,7 +163,7 @@ class EPDConnector(ECConnectorBase):
         self.loads: list[Load] = []
 
     def ensure_cache_available(self, request, num_computed_tokens: int) -> bool:
-        self._poll()
+        self.poll()
         room = self.rooms.get(request.request_id)
         if room is None:
             if request.request_id in self.unavailable:
@@ -238,7 +239,8 @@ class EPDConnector(ECConnectorBase):
         log.warning("EPDConnector: request %s fails: %s", request_id, reason)
         self.unavailable[request_id] = reason
 
-    def _poll(self) -> None:
+    def poll(self) -> None:
+        """Apply the statuses that came; release canceled rooms answered (or given up on)."""
         self.receiver.poll()
         now = time.monotonic()
         for room, until in list(self.draining.items()):
