@@ -176,3 +176,196 @@ def test_a_dead_engines_segment_is_swept_at_start(sim):
         assert not set(left) & set(shm.list_objects(prefix))
     finally:
         sched.shutdown()
+
+
+# ---------------------------------------------------------------- a real engine
+class RecordingConnector(EPDConnector):
+    """EPDConnector that also saves what it puts into vLLM's encoder cache (record_dir)."""
+
+    def start_load_caches(self, encoder_cache, **kwargs) -> None:
+        super().start_load_caches(encoder_cache, **kwargs)
+        record = self._vllm_config.ec_transfer_config.ec_connector_extra_config["record_dir"]
+        for load in self._get_connector_metadata().loads:
+            torch.save(encoder_cache[load.identifier].cpu(), os.path.join(record, f"{load.identifier}.pt"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_qwen.build(str(tmp_path_factory.mktemp("tiny-qwen")))
+
+
+@pytest.fixture(scope="module")
+def qwen_worker(model_dir, tmp_path_factory):
+    prefix = f"t{TOKEN}_{os.getpid()}_vq"
+    cfg = worker_config(prefix, tmp_path_factory.mktemp("worker"), tower="qwen2.5-vl", tower_config=model_dir,
+                        tower_dtype="float32", pixel_arena_bytes=64 << 20, embedding_arena_bytes=32 << 20,
+                        arena_cache_bytes=8 << 20, host_cache_bytes=16 << 20)
+    w = start_worker("inprocess", cfg)
+    yield w
+    w.close()
+    assert not shm.list_objects(prefix)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, qwen_worker, tmp_path_factory):
+    """vLLM's OpenAI server with the (recording) connector; its URL and record directory."""
+    record = tmp_path_factory.mktemp("record")
+    prefix = f"t{TOKEN}_{os.getpid()}_vx"
+    port = free_port()
+    ec = {"ec_connector": "RecordingConnector", "ec_connector_module_path": "test_vllm_engine",
+          "ec_role": "ec_consumer", "ec_connector_extra_config": {
+              "workers": [qwen_worker.cfg.bootstrap], "dtype": "float32", "buffer_bytes": 32 << 20,
+              "shm_prefix": prefix, "record_dir": str(record)}}
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
+    log = open(record / "server.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+         "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "1024",
+         "--enforce-eager", "--max-num-seqs", "4", "--seed", "0",
+         "--limit-mm-per-prompt", json.dumps({"image": 2, "video": 0}), "--ec-transfer-config", json.dumps(ec)],
+        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: proc.poll() is not None or get(url + "/health") == 200, 240, "vLLM's server to start")
+        assert proc.poll() is None, f"vLLM's server exited: {(record / 'server.log').read_text()[-4000:]}"
+        yield SimpleNamespace(url=url, record=record, proc=proc, log=record / "server.log")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+    # vLLM kills its engine core at shutdown, before the connector's shutdown() can run:
+    # its segment is a dead run's, which the next engine's connector sweeps at start.
+    shm.sweep(prefix)
+    assert not shm.list_objects(prefix), "the connector's receive segment is not a dead run's"
+
+
+def get(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
+def post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def picture(seed: int, size=(56, 84)) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (*size, 3), dtype=np.uint8)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def chat(part: dict, **extra) -> dict:
+    return {"model": extra.pop("model"), "max_tokens": 4, "temperature": 0, "logprobs": True,
+            "messages": [{"role": "user", "content": [part, {"type": "text", "text": "What is in this picture?"}]}],
+            **extra}
+
+
+def logprobs(reply: dict) -> np.ndarray:
+    return np.array([t["logprob"] for t in reply["choices"][0]["logprobs"]["content"]])
+
+
+def bf16_step(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bfloat16 numbers at each |x| (8 significant bits)."""
+    return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(2.0 ** -126))) - 7)
+
+
+def test_vllm_serves_the_workers_rows(server, qwen_worker, model_dir):
+    from stages.towers.qwen import Qwen25VLTower
+
+    pre = proxy_mod.Preprocessor(model_dir)
+    url = picture(1)
+    item = pre.image(url)
+    uuid = f"{routing_key([item]):016x}"
+    client = Client(qwen_worker.cfg.intake, qwen_worker.cfg.shm_prefix)
+    bootstrap = qwen_worker.cfg.bootstrap
+    status, local = post(server.url, chat({"type": "image_url", "image_url": {"url": url}}, model=model_dir))
+    assert status == 200, local
+    # Metadata only: vLLM gets no pixels, so the rows can only have come from the worker.
+    client.encode(101, "meta", [item])
+    status, meta = post(server.url, chat(
+        {"type": "image_embeds", "image_embeds": {"image_grid_thw": item.grid_thw[0]}, "uuid": uuid},
+        model=model_dir, ec_transfer_params={"room": 101, "worker": bootstrap, "items": {uuid: 0}}))
+    assert status == 200, meta
+    # The same image with its pixels too, under another identifier: vLLM still loads the worker's rows.
+    client.encode(102, "pixels", [item])
+    status, with_pixels = post(server.url, chat(
+        {"type": "image_url", "image_url": {"url": url}, "uuid": uuid + "-px"},
+        model=model_dir, ec_transfer_params={"room": 102, "worker": bootstrap, "items": {uuid + "-px": 0}}))
+    assert status == 200, with_pixels
+    client.close()
+    assert np.array_equal(logprobs(meta), logprobs(with_pixels))
+    diff = np.abs(logprobs(meta) - logprobs(local)).max()
+    print(f"max |logprob(worker) - logprob(vLLM's own encoder)| = {diff:.4g}")
+    assert diff <= LOGPROB_TOLERANCE
+    received = torch.load(server.record / f"{uuid}.pt")
+    tower = Qwen25VLTower(checkpoint=model_dir, dtype="float32")
+    with torch.inference_mode():
+        hf, _ = tower.forward(torch.from_numpy(item.pixels), torch.tensor(item.grid_thw))
+    assert received.dtype == torch.bfloat16 and received.shape == hf.shape
+    assert bool((torch.abs(received.float() - hf) <= bf16_step(hf)).all())
+
+
+def test_a_room_the_worker_fails_is_an_error_at_vllms_client(server, qwen_worker, model_dir):
+    pre = proxy_mod.Preprocessor(model_dir)
+    item = pre.image(picture(2))  # a 4 x 6 grid: 6 rows for vLLM
+    wrong = Item("image", [[1, 4, 4]], item.pixels[:16])  # 4 rows at the worker: the alloc check fails it
+    uuid = f"{routing_key([item]):016x}"
+    Client(qwen_worker.cfg.intake, qwen_worker.cfg.shm_prefix).encode(103, "wrong", [wrong])
+    start = time.monotonic()
+    status, reply = post(server.url, chat(
+        {"type": "image_embeds", "image_embeds": {"image_grid_thw": item.grid_thw[0]}, "uuid": uuid},
+        model=model_dir, ec_transfer_params={"room": 103, "worker": qwen_worker.cfg.bootstrap, "items": {uuid: 0}}))
+    took = time.monotonic() - start
+    print(f"failed room answered in {took:.3f} s: {status} {reply}")
+    assert status >= 400 or reply["choices"][0]["finish_reason"] == "error", reply
+    assert "span" in server.log.read_text()
+    assert took < 60, "the error came from the connector's deadline, not from the room's failure"
+
+
+def test_an_aborted_request_frees_its_room(server, qwen_worker, model_dir):
+    # No encode comes for room 104: the request waits until its client gives up.
+    body = chat({"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 4, 4]}, "uuid": "abort"},
+                model=model_dir, ec_transfer_params={"room": 104, "worker": qwen_worker.cfg.bootstrap,
+                                                     "items": {"abort": 0}})
+    with pytest.raises((TimeoutError, urllib.error.URLError, OSError)):
+        post(server.url, body, timeout=2)
+    wait_for(lambda: concluded(qwen_worker, "failed", "canceled"), 60, "the worker to cancel room 104")
+
+
+def test_a_request_through_the_proxy_command(server, qwen_worker, model_dir):
+    port = free_port()
+    w = qwen_worker.cfg
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "proxy", "--model", model_dir,
+                             "--vllm", server.url, "--listen", f"127.0.0.1:{port}",
+                             "--worker", f"{w.intake},{w.bootstrap},{w.shm_prefix}"],
+                            cwd=ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    try:
+        front = f"http://127.0.0.1:{port}"
+        wait_for(lambda: proc.poll() is not None or get(front + "/v1/models") == 200, 60, "the proxy")
+        url = picture(3)
+        status, via_proxy = post(front, chat({"type": "image_url", "image_url": {"url": url}}, model=model_dir))
+        assert status == 200, via_proxy
+        status, local = post(server.url, chat({"type": "image_url", "image_url": {"url": url}}, model=model_dir))
+        assert status == 200, local
+        assert np.abs(logprobs(via_proxy) - logprobs(local)).max() <= LOGPROB_TOLERANCE
+        status, bad = post(front, chat({"type": "image_url", "image_url": {"url": "http://x/y.png"}}, model=model_dir))
+        assert status == 400 and "data: URL" in bad["error"]["message"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
