@@ -1,10 +1,24 @@
-"""A tiny random-weight Qwen2.5-VL checkpoint with a locally trained tokenizer: a model
-vLLM serves in seconds on a CPU, built without a download, for the vLLM connector's
-tests and benchmark. Its vision tower is what the worker loads with
-`--tower qwen2.5-vl --tower-config DIR`, so both sides hold the same weights."""
+"""What the vLLM connector's tests and benchmark share (they run in .venv-vllm): a tiny
+random-weight Qwen2.5-VL checkpoint with a locally trained tokenizer, which vLLM serves
+in seconds on a CPU and which is built without a download (its vision tower is what the
+worker loads with `--tower qwen2.5-vl --tower-config DIR`, so both sides hold the same
+weights), and vLLM's OpenAI server started on it."""
 from __future__ import annotations
 
+import base64
+import io
+import json
 import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+
+from pipeline.background import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
            "<|image_pad|>", "<|video_pad|>"]
@@ -35,7 +49,7 @@ CORPUS = [
 ]
 
 
-def build(path: str, *, seed: int = 0, max_pixels: int = 112 * 112) -> str:
+def build_model(path: str, *, seed: int = 0, max_pixels: int = 112 * 112) -> str:
     """Write the checkpoint into directory `path` (created) and return it."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -81,3 +95,65 @@ def build(path: str, *, seed: int = 0, max_pixels: int = 112 * 112) -> str:
     processor.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def start_server(model_dir: str, ec_transfer_config: dict, log_path: str, *, python: str | None = None,
+                 port: int | None = None, pythonpath: list[str] = ()) -> tuple[subprocess.Popen, str]:
+    """vLLM's OpenAI server on the tiny model, with this EC transfer configuration, its
+    output in `log_path`: (process, URL). Wait for it with `wait_ready`."""
+    port = port or free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
+               PYTHONPATH=os.pathsep.join([*pythonpath, ROOT]))
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+             "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "2048",
+             "--enforce-eager", "--max-num-seqs", "4", "--seed", "0",
+             "--limit-mm-per-prompt", json.dumps({"image": 2, "video": 0}),
+             "--ec-transfer-config", json.dumps(ec_transfer_config)],
+            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def http_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except OSError:
+        return 0
+
+
+def wait_ready(proc: subprocess.Popen, url: str, log_path: str, timeout: float = 240) -> None:
+    """Until the server answers /health; RuntimeError with its log's tail if it exits or never does."""
+    end = time.monotonic() + timeout
+    while http_status(url + "/health") != 200:
+        if proc.poll() is not None or time.monotonic() > end:
+            with open(log_path) as f:
+                tail = f.read()[-4000:]
+            raise RuntimeError(f"vLLM's server at {url} did not start:\n{tail}")
+        time.sleep(0.2)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def picture(seed: int, size=(56, 84)) -> str:
+    """A random RGB image of `size` (height, width) as a PNG data: URL."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (*size, 3), dtype=np.uint8)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def chat(model: str, part: dict, **extra) -> dict:
+    """A chat request of one image part and a question: four tokens, greedy, with logprobs."""
+    return {"model": model, "max_tokens": 4, "temperature": 0, "logprobs": True,
+            "messages": [{"role": "user", "content": [part, {"type": "text", "text": "What is in this picture?"}]}],
+            **extra}
