@@ -8,5 +8,7 @@ from benchmarks.scenarios.load import load
 from benchmarks.scenarios.replicas import replicas
 from benchmarks.scenarios.sim_pair import cpu, small
 from benchmarks.scenarios.tiny import tiny
+from benchmarks.scenarios.vllm import vllm
 
-SCENARIOS = {"cpu": cpu, "small": small, "device": device, "replicas": replicas, "load": load, "tiny": tiny}
+SCENARIOS = {"cpu": cpu, "small": small, "device": device, "replicas": replicas, "load": load, "tiny": tiny,
+             "vllm": vllm}
