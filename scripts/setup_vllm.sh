@@ -37,7 +37,8 @@ for op in ("nms", "qnms"):
 meta.write_text(text)
 PY
 # The project itself, so that the connector imports pipeline.receiver; [cpu] is the
-# Mooncake build a receiver needs, [tower] the Qwen towers the tests compare against.
-pip install -q -e ".[cpu,tower,test]"
+# Mooncake build a receiver needs, [tower] the Qwen towers the tests compare against,
+# [proxy] the proxy's image processing.
+pip install -q -e ".[cpu,tower,proxy,test]"
 rm -f "$env"/.installed-*
 touch "$stamp"
