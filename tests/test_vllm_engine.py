@@ -74,9 +74,10 @@ def fake_request(rid: str, room: int, worker: str, uuids: list[str], span: int =
 
 
 @pytest.fixture
-def sim(tmp_path):
+def sim(tmp_path, request):
+    """A sim worker (in process unless the test asks for a mode) and a prefix for the connector's segment."""
     prefix = f"t{TOKEN}_{os.getpid()}_vsim"
-    w = start_worker("inprocess", sim_config(prefix, tmp_path))
+    w = start_worker(getattr(request, "param", "inprocess"), sim_config(prefix, tmp_path))
     conn_prefix = f"t{TOKEN}_{os.getpid()}_vrx"
     yield w, conn_prefix
     w.close()
@@ -87,6 +88,7 @@ def concluded(w, state: str, reason: str) -> bool:
     return w.stats()["rooms_concluded"].get((state, reason), 0) > 0
 
 
+@pytest.mark.parametrize("sim", ["inprocess", "pipeline"], indirect=True)
 def test_rows_reach_the_encoder_cache_as_main_then_deepstack(sim):
     w, prefix = sim
     cfg = fake_config(w.cfg.bootstrap, prefix)
