@@ -9,6 +9,7 @@ instead when .venv-vllm is missing.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -187,43 +188,49 @@ class RecordingConnector(EPDConnector):
             torch.save(encoder_cache[load.identifier].cpu(), os.path.join(record, f"{load.identifier}.pt"))
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_model(str(tmp_path_factory.mktemp("tiny-qwen")))
-
-
-@pytest.fixture(scope="module")
-def qwen_worker(model_dir, tmp_path_factory):
-    prefix = f"t{TOKEN}_{os.getpid()}_vq"
-    cfg = worker_config(prefix, tmp_path_factory.mktemp("worker"), tower="qwen2.5-vl", tower_config=model_dir,
-                        tower_dtype="float32", pixel_arena_bytes=64 << 20, embedding_arena_bytes=32 << 20,
+@contextlib.contextmanager
+def engine(kind: str, tmp: Path):
+    """The tiny model of `kind`, a worker with its tower (float32 rows), and vLLM's OpenAI
+    server on the model with the (recording) connector."""
+    model = build_model(str(tmp / "model"), kind=kind)
+    prefix = f"t{TOKEN}_{os.getpid()}_{kind.replace('.', '').replace('-', '')}"
+    cfg = worker_config(f"{prefix}w", tmp, tower=kind, tower_config=model, tower_dtype="float32",
+                        pixel_arena_bytes=64 << 20, embedding_arena_bytes=32 << 20,
                         arena_cache_bytes=8 << 20, host_cache_bytes=16 << 20)
-    w = start_worker("inprocess", cfg)
-    yield w
-    w.close()
-    assert not shm.list_objects(prefix)
-
-
-@pytest.fixture(scope="module")
-def server(model_dir, qwen_worker, tmp_path_factory):
-    """vLLM's OpenAI server with the (recording) connector; its URL and record directory."""
-    record = tmp_path_factory.mktemp("record")
-    prefix = f"t{TOKEN}_{os.getpid()}_vx"
+    worker = start_worker("inprocess", cfg)
+    record = tmp / "record"
+    record.mkdir()
     ec = {"ec_connector": "RecordingConnector", "ec_connector_module_path": "test_vllm_engine",
           "ec_role": "ec_consumer", "ec_connector_extra_config": {
-              "workers": [qwen_worker.cfg.bootstrap], "dtype": "float32", "buffer_bytes": 32 << 20,
-              "shm_prefix": prefix, "record_dir": str(record)}}
-    log = str(record / "server.log")
-    proc, url = start_server(model_dir, ec, log, pythonpath=[str(ROOT / "tests")])
+              "workers": [cfg.bootstrap], "dtype": "float32", "buffer_bytes": 32 << 20,
+              "shm_prefix": f"{prefix}x", "record_dir": str(record)}}
+    log = tmp / "server.log"
     try:
-        wait_ready(proc, url, log)
-        yield SimpleNamespace(url=url, record=record, proc=proc, log=record / "server.log")
+        proc, url = start_server(model, ec, str(log), pythonpath=[str(ROOT / "tests")])
+        try:
+            wait_ready(proc, url, str(log))
+            yield SimpleNamespace(kind=kind, model=model, worker=worker, url=url, record=record, log=log)
+        finally:
+            stop(proc)
     finally:
-        stop(proc)
+        worker.close()
     # vLLM kills its engine core at shutdown, before the connector's shutdown() can run:
     # its segment is a dead run's, which the next engine's connector sweeps at start.
-    shm.sweep(prefix)
-    assert not shm.list_objects(prefix), "the connector's receive segment is not a dead run's"
+    shm.sweep(f"{prefix}x")
+    assert not shm.list_objects(f"{prefix}x"), "the connector's receive segment is not a dead run's"
+    assert not shm.list_objects(f"{prefix}w")
+
+
+@pytest.fixture(scope="module")
+def qwen25(tmp_path_factory):
+    with engine("qwen2.5-vl", tmp_path_factory.mktemp("qwen25")) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    with engine("qwen3-vl", tmp_path_factory.mktemp("qwen3")) as e:
+        yield e
 
 
 def post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
@@ -245,43 +252,47 @@ def bf16_step(x: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(2.0 ** -126))) - 7)
 
 
-def test_vllm_serves_the_workers_rows(server, qwen_worker, model_dir):
-    from stages.towers.qwen import Qwen25VLTower
+@pytest.mark.parametrize("name", ["qwen25", "qwen3"])
+def test_vllm_serves_the_workers_rows(name, request):
+    from stages.towers.qwen import Qwen3VLTower, Qwen25VLTower
 
-    pre = proxy_mod.Preprocessor(model_dir)
+    e = request.getfixturevalue(name)
+    pre = proxy_mod.Preprocessor(e.model)
     url = picture(1)
     item = pre.image(url)
     uuid = f"{routing_key([item]):016x}"
-    client = Client(qwen_worker.cfg.intake, qwen_worker.cfg.shm_prefix)
-    bootstrap = qwen_worker.cfg.bootstrap
-    status, local = post(server.url, chat(model_dir, {"type": "image_url", "image_url": {"url": url}}))
+    client = Client(e.worker.cfg.intake, e.worker.cfg.shm_prefix)
+    bootstrap = e.worker.cfg.bootstrap
+    status, local = post(e.url, chat(e.model, {"type": "image_url", "image_url": {"url": url}}))
     assert status == 200, local
     # Metadata only: vLLM gets no pixels, so the rows can only have come from the worker.
     client.encode(101, "meta", [item])
-    status, meta = post(server.url, chat(
-        model_dir, {"type": "image_embeds", "image_embeds": {"image_grid_thw": item.grid_thw[0]}, "uuid": uuid},
+    status, meta = post(e.url, chat(
+        e.model, {"type": "image_embeds", "image_embeds": {"image_grid_thw": item.grid_thw[0]}, "uuid": uuid},
         ec_transfer_params={"room": 101, "worker": bootstrap, "items": {uuid: 0}}))
     assert status == 200, meta
     # The same image with its pixels too, under another identifier: vLLM still loads the worker's rows.
     client.encode(102, "pixels", [item])
-    status, with_pixels = post(server.url, chat(
-        model_dir, {"type": "image_url", "image_url": {"url": url}, "uuid": uuid + "-px"},
+    status, with_pixels = post(e.url, chat(
+        e.model, {"type": "image_url", "image_url": {"url": url}, "uuid": uuid + "-px"},
         ec_transfer_params={"room": 102, "worker": bootstrap, "items": {uuid + "-px": 0}}))
     assert status == 200, with_pixels
     client.close()
     assert np.array_equal(logprobs(meta), logprobs(with_pixels))
     diff = np.abs(logprobs(meta) - logprobs(local)).max()
-    print(f"max |logprob(worker) - logprob(vLLM's own encoder)| = {diff:.4g}")
+    print(f"{e.kind}: max |logprob(worker) - logprob(vLLM's own encoder)| = {diff:.4g}")
     assert diff <= LOGPROB_TOLERANCE
-    received = torch.load(server.record / f"{uuid}.pt")
-    tower = Qwen25VLTower(checkpoint=model_dir, dtype="float32")
+    received = torch.load(e.record / f"{uuid}.pt")
+    tower = (Qwen3VLTower if e.kind == "qwen3-vl" else Qwen25VLTower)(checkpoint=e.model, dtype="float32")
     with torch.inference_mode():
-        hf, _ = tower.forward(torch.from_numpy(item.pixels), torch.tensor(item.grid_thw))
+        main, deep = tower.forward(torch.from_numpy(item.pixels), torch.tensor(item.grid_thw))
+    hf = main if deep is None else torch.cat([main, deep], dim=1)  # [main | deepstack], as vLLM's Qwen3-VL
     assert received.dtype == torch.bfloat16 and received.shape == hf.shape
     assert bool((torch.abs(received.float() - hf) <= bf16_step(hf)).all())
 
 
-def test_a_room_the_worker_fails_is_an_error_at_vllms_client(server, qwen_worker, model_dir):
+def test_a_room_the_worker_fails_is_an_error_at_vllms_client(qwen25):
+    server, qwen_worker, model_dir = qwen25, qwen25.worker, qwen25.model
     pre = proxy_mod.Preprocessor(model_dir)
     item = pre.image(picture(2))  # a 4 x 6 grid: 6 rows for vLLM
     wrong = Item("image", [[1, 4, 4]], item.pixels[:16])  # 4 rows at the worker: the alloc check fails it
@@ -298,7 +309,8 @@ def test_a_room_the_worker_fails_is_an_error_at_vllms_client(server, qwen_worker
     assert took < 60, "the error came from the connector's deadline, not from the room's failure"
 
 
-def test_an_aborted_request_frees_its_room(server, qwen_worker, model_dir):
+def test_an_aborted_request_frees_its_room(qwen25):
+    server, qwen_worker, model_dir = qwen25, qwen25.worker, qwen25.model
     # No encode comes for room 104: the request waits until its client gives up.
     body = chat(model_dir, {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 4, 4]}, "uuid": "abort"},
                 ec_transfer_params={"room": 104, "worker": qwen_worker.cfg.bootstrap, "items": {"abort": 0}})
@@ -307,7 +319,8 @@ def test_an_aborted_request_frees_its_room(server, qwen_worker, model_dir):
     wait_for(lambda: concluded(qwen_worker, "failed", "canceled"), 60, "the worker to cancel room 104")
 
 
-def test_a_request_through_the_proxy_command(server, qwen_worker, model_dir):
+def test_a_request_through_the_proxy_command(qwen25):
+    server, qwen_worker, model_dir = qwen25, qwen25.worker, qwen25.model
     port = free_port()
     w = qwen_worker.cfg
     proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "proxy", "--model", model_dir,

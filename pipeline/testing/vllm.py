@@ -27,7 +27,7 @@ VISION = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, out_h
               in_channels=3, patch_size=14, temporal_patch_size=2, spatial_merge_size=2,
               window_size=56, fullatt_block_indexes=[1])
 
-# Qwen2-VL's chat template, less its tool and system-prompt branches.
+# Qwen2-VL's chat template (Qwen3-VL's tokens are the same), less its tool and system-prompt branches.
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
@@ -49,52 +49,72 @@ CORPUS = [
 ]
 
 
-def build_model(path: str, *, seed: int = 0, max_pixels: int = 112 * 112) -> str:
-    """Write the checkpoint into directory `path` (created) and return it."""
+QWEN3_VISION = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=128,
+                    in_channels=3, patch_size=14, temporal_patch_size=2, spatial_merge_size=2,
+                    num_position_embeddings=64, deepstack_visual_indexes=[0, 1])
+
+
+def build_model(path: str, *, kind: str = "qwen2.5-vl", seed: int = 0, max_pixels: int = 112 * 112) -> str:
+    """Write the checkpoint of `kind` ("qwen2.5-vl" or "qwen3-vl") into directory `path`
+    (created) and return it."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (
-        PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
-        Qwen2VLImageProcessor, Qwen2VLVideoProcessor, Qwen2_5_VLProcessor,
-    )
+    from transformers import Qwen2VLImageProcessor
 
     os.makedirs(path, exist_ok=True)
+    tokenizer, ids = _tokenizer()
+    image_processor = Qwen2VLImageProcessor(patch_size=14, temporal_patch_size=2, merge_size=2,
+                                            min_pixels=28 * 28, max_pixels=max_pixels)
+    text = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                pad_token_id=ids["<|endoftext|>"])
+    tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                  tie_word_embeddings=True)
+    video = dict(patch_size=14, temporal_patch_size=2, merge_size=2)
+    if kind == "qwen2.5-vl":
+        from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
+                                  Qwen2VLVideoProcessor)
+
+        cfg = Qwen2_5_VLConfig(text_config=dict(text, rope_parameters={
+            "rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]},
+            bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"]), vision_config=VISION, **tokens)
+        model_cls = Qwen2_5_VLForConditionalGeneration
+        processor = Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                        video_processor=Qwen2VLVideoProcessor(**video), chat_template=CHAT_TEMPLATE)
+    elif kind == "qwen3-vl":
+        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+        cfg = Qwen3VLConfig(text_config=dict(text, head_dim=32, rope_parameters={
+            "rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 6, 6], "mrope_interleaved": True}),
+            vision_config=QWEN3_VISION, **tokens)
+        model_cls = Qwen3VLForConditionalGeneration
+        processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                     video_processor=Qwen3VLVideoProcessor(**video), chat_template=CHAT_TEMPLATE)
+    else:
+        raise ValueError(f"kind must be qwen2.5-vl or qwen3-vl, not {kind!r}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(cfg).to(torch.bfloat16)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _tokenizer():
+    """A byte-level BPE tokenizer trained on CORPUS, with the Qwen special tokens; and their ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(
         vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL[1:])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        additional_special_tokens=SPECIAL[1:])
     tokenizer.chat_template = CHAT_TEMPLATE
-    ids = {t: tok.token_to_id(t) for t in SPECIAL}
-    image_processor = Qwen2VLImageProcessor(
-        patch_size=14, temporal_patch_size=2, merge_size=2,
-        min_pixels=28 * 28, max_pixels=max_pixels)
-    video_processor = Qwen2VLVideoProcessor(
-        patch_size=14, temporal_patch_size=2, merge_size=2,
-        min_pixels=28 * 28, max_pixels=max_pixels)
-    processor = Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                    video_processor=video_processor, chat_template=CHAT_TEMPLATE)
-    vocab = 512
-    cfg = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                          "mrope_section": [4, 6, 6]},
-                         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-                         pad_token_id=ids["<|endoftext|>"]),
-        vision_config=VISION, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=True)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration(cfg).to(torch.bfloat16)
-    model.save_pretrained(path)
-    processor.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return tokenizer, {t: tok.token_to_id(t) for t in SPECIAL}
 
 
 def start_server(model_dir: str, ec_transfer_config: dict, log_path: str, *, python: str | None = None,
