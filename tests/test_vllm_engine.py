@@ -291,6 +291,25 @@ def test_vllm_serves_the_workers_rows(name, request):
     assert bool((torch.abs(received.float() - hf) <= bf16_step(hf)).all())
 
 
+def test_a_video_is_served_from_the_workers_rows(qwen25):
+    from stages.towers.qwen import Qwen25VLTower
+
+    e = qwen25
+    item = Item("video", [[2, 4, 6]], np.random.default_rng(4).standard_normal((48, 1176), dtype=np.float32))
+    uuid = f"video-{routing_key([item]):016x}"
+    Client(e.worker.cfg.intake, e.worker.cfg.shm_prefix).encode(105, "video", [item])
+    status, reply = post(e.url, chat(
+        e.model, {"type": "video_embeds", "video_embeds": {"video_grid_thw": [2, 4, 6]}, "uuid": uuid},
+        ec_transfer_params={"room": 105, "worker": e.worker.cfg.bootstrap, "items": {uuid: 0}}))
+    assert status == 200, reply
+    received = torch.load(e.record / f"{uuid}.pt")
+    with torch.inference_mode():
+        hf, _ = Qwen25VLTower(checkpoint=e.model, dtype="float32").forward(
+            torch.from_numpy(item.pixels), torch.tensor(item.grid_thw))
+    assert received.shape == hf.shape == (12, 128)
+    assert bool((torch.abs(received.float() - hf) <= bf16_step(hf)).all())
+
+
 def test_a_room_the_worker_fails_is_an_error_at_vllms_client(qwen25):
     server, qwen_worker, model_dir = qwen25, qwen25.worker, qwen25.model
     pre = proxy_mod.Preprocessor(model_dir)

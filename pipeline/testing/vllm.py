@@ -129,7 +129,7 @@ def start_server(model_dir: str, ec_transfer_config: dict, log_path: str, *, pyt
             [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
              "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "2048",
              "--enforce-eager", "--max-num-seqs", "4", "--seed", "0",
-             "--limit-mm-per-prompt", json.dumps({"image": 2, "video": 0}),
+             "--limit-mm-per-prompt", json.dumps({"image": 2, "video": 1}),
              "--ec-transfer-config", json.dumps(ec_transfer_config)],
             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     return proc, f"http://127.0.0.1:{port}"
