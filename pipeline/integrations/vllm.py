@@ -161,6 +161,8 @@ class EPDConnector(ECConnectorBase):
         self.unavailable: dict[str, str] = {}     # request id -> why its rows will not come
         self.draining: dict[int, float] = {}      # room canceled -> when we stop waiting for its status
         self.loads: list[Load] = []
+        self.builds = 0                           # build_connector_meta calls so far
+        self.releasing: dict[int, int] = {}       # room of a finished request -> the build that frees it
 
     def ensure_cache_available(self, request, num_computed_tokens: int) -> bool:
         self.poll()
@@ -182,7 +184,7 @@ class EPDConnector(ECConnectorBase):
         rid = request.request_id
         try:
             room_id, worker, items = room_params(request.ec_transfer_params, self.settings.workers)
-            if room_id in self.room_owner or room_id in self.draining:
+            if room_id in self.room_owner or room_id in self.draining or room_id in self.releasing:
                 raise ValueError(f"room {room_id} is already in use by another request")
             named = {f.identifier for f in request.mm_features}
             if named != set(items):
@@ -277,6 +279,11 @@ class EPDConnector(ECConnectorBase):
     def build_connector_meta(self, scheduler_output) -> EPDConnectorMetadata:
         meta = EPDConnectorMetadata(self.loads)
         self.loads = []
+        self.builds += 1
+        for room, due in list(self.releasing.items()):
+            if self.builds >= due:
+                self._forget(room)
+                del self.releasing[room]
         return meta
 
     def request_finished(self, request) -> tuple[bool, dict[str, Any] | None]:
@@ -291,7 +298,11 @@ class EPDConnector(ECConnectorBase):
                 owners.discard(room.request_id)
                 if not owners:
                     del self.ready[identifier]
-        if room.ready or room.room in self.receiver.failed:
+        if room.ready:
+            # A step already scheduled may still copy these rows (vLLM schedules the next
+            # step while one runs): the buffer is freed two steps on, never under a copy.
+            self.releasing[room.room] = self.builds + 2
+        elif room.room in self.receiver.failed:
             self._forget(room.room)
         else:
             # Aborted, or failed on its deadline: rows may still be written until the
