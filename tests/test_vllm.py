@@ -56,3 +56,4 @@ def test_vllm_engine():
     proc = subprocess.run([str(VLLM_PYTHON), "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:randomly",
                            "tests/test_vllm_engine.py"], cwd=ROOT, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, f"tests/test_vllm_engine.py in .venv-vllm failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+

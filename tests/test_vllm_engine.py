@@ -183,6 +183,30 @@ def test_a_dead_engines_segment_is_swept_at_start(sim):
         sched.shutdown()
 
 
+def test_proxy_replaces_each_image_by_its_grid_and_uuid(tmp_path):
+    """Identical images of a request are one item, text and other parts pass unchanged,
+    and only data: URLs are taken."""
+    pre = proxy_mod.Preprocessor(build_model(str(tmp_path / "model")))
+    a, b = picture(1), picture(2, (28, 56))
+    body = {"model": "m", "max_tokens": 3, "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": a}}, {"type": "text", "text": "and"},
+                                     {"type": "image_url", "image_url": {"url": b}},
+                                     {"type": "image_url", "image_url": {"url": a}}]}]}
+    out, items, index = pre.rewrite(body)
+    parts = out["messages"][1]["content"]
+    assert out["messages"][0] == body["messages"][0] and parts[1] == {"type": "text", "text": "and"}
+    assert [p["type"] for p in parts] == ["image_embeds", "text", "image_embeds", "image_embeds"]
+    assert parts[0]["uuid"] == parts[3]["uuid"] != parts[2]["uuid"]
+    assert index == {parts[0]["uuid"]: 0, parts[2]["uuid"]: 1} and len(items) == 2
+    assert [parts[i]["image_embeds"]["image_grid_thw"] for i in (0, 2, 3)] == [[1, 4, 6], [1, 2, 4], [1, 4, 6]]
+    assert items[0].grid_thw == [[1, 4, 6]] and items[1].grid_thw == [[1, 2, 4]]
+    assert items[0].pixels.shape == (24, 1176) and items[1].pixels.shape == (8, 1176)
+    assert body["messages"][1]["content"][0]["type"] == "image_url"  # the caller's body is not changed
+    with pytest.raises(proxy_mod.BadRequest, match="data: URLs"):
+        pre.rewrite({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]})
+
+
 # ---------------------------------------------------------------- a real engine
 class RecordingConnector(EPDConnector):
     """EPDConnector that also saves what it puts into vLLM's encoder cache (record_dir)."""

@@ -132,8 +132,11 @@ class Handler(BaseHTTPRequestHandler):
             try:
                 body = json.loads(raw)
                 raw = json.dumps(self.proxy.prepare(body, f"proxy-{secrets.token_hex(6)}")).encode()
-            except (BadRequest, ValueError) as e:
+            except ValueError as e:  # BadRequest, bad JSON, an image its processor refuses
                 return self.reply(400, {"error": {"message": str(e), "type": "BadRequestError", "code": 400}})
+            except Exception as e:  # the worker unreachable, ...: this request fails, the proxy serves on
+                return self.reply(500, {"error": {"message": f"proxy: {e!r}", "type": "InternalServerError",
+                                                  "code": 500}})
         self.forward(raw)
 
     def forward(self, raw: bytes | None) -> None:
