@@ -18,7 +18,7 @@ replayed):
 
 Each receiver is its own (spawned) process: its receive buffer is filled with
 canary bytes before any alloc; on `success` it checks its rows bit-exact against
-the sim tower's formula computed here; on `failed` it snapshots the room's
+the sim tower's formula computed here, and against the success's digest; on `failed` it snapshots the room's
 buffers and compares them `QUARANTINE_S` later and at the end, so a row written
 after the status shows. It checks, as statuses arrive, that no (room, item) gets
 two terminal statuses and no `success` follows `failed` (a cancel is acknowledged
@@ -62,6 +62,9 @@ over it, or never concluded at a receiver alive to hear it (known limit 1 aside)
 Besides the rest, the JSON has: `rooms_hung`; `duplicate_statuses` (a second terminal
 status for a (room, item), or success after failed, at one receiver); `wrong_rows` (rows
 that differ from the sim tower's after success, or buffers written after failed);
+`digest_mismatches` (a success whose digest, protocol 1.1, its receiver's rows do not
+hash to); `statuses_recovered_by_query` (statuses a receiver lacked and got as the
+repeat that answered its `query` of a room it heard nothing of for QUERY_AFTER_S, 2 s);
 `kills` (signals sent to stages and receivers; their list is `kill_log`);
 `median_rooms_held_at_kill` (rooms whose custody bit the stage had set, read just before
 each SIGKILL or SIGSTOP of a stage); `serving_at_end` (the ten rooms sent after the last

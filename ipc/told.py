@@ -35,10 +35,11 @@ _USED, _FAILED = 1, 2
 _fault_hook = None
 
 
-def incarnation(receiver: str, session: str) -> str:
-    """The name a status is recorded under: a receiver's id and its Mooncake session (its
-    process), so that a receiver restarted under the same id is one not told yet."""
-    return f"{receiver}\0{session}"
+def incarnation(receiver: str, session: str, number: int | None = None) -> str:
+    """The name a status is recorded under: a receiver's id, its Mooncake session and the
+    incarnation it registered with, if any (its process), so that a receiver restarted
+    under the same id, or on the same session, is one not told yet."""
+    return f"{receiver}\0{session}" if number is None else f"{receiver}\0{session}\0{number}"
 
 
 def receiver_hash(receiver: str) -> int:
@@ -109,6 +110,14 @@ class ToldTable(SharedTable):
     def told_success(self, room: int, item: int, receiver: str) -> bool:
         e = self._find(room, receiver)
         return e is not None and 0 <= item < self.max_items and bool(self._items[e, item >> 3] & (1 << (item & 7)))
+
+    def told_to(self, room: int, receiver: str) -> tuple[bool, list[int]]:
+        """(told failed, items told success) for one receiver of a room."""
+        e = self._find(room, receiver)
+        if e is None:
+            return False, []
+        bits = np.unpackbits(self._items[e], bitorder="little")
+        return bool(self._flags[e] & _FAILED), np.flatnonzero(bits).tolist()
 
     def told_anything(self, room: int, receiver: str) -> bool:
         return self._find(room, receiver) is not None

@@ -1,4 +1,4 @@
-"""Wire protocol version 1 (docs/protocol.md): parsing and validation of messages.
+"""Wire protocol version 1 (1.1: docs/protocol.md): parsing and validation of messages.
 
 Only structure is checked here; rules that need the worker's state (the tower's
 patch_dim, the item's span, remembered rooms) are checked by the stages.
@@ -22,6 +22,7 @@ DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 MODALITIES = ("image", "video")
 MAX_REQUEST_ID = 128
 MAX_ID_CHARS = 256  # receiver ids, sessions, endpoints
+MAX_SESSION_BYTES = 4 * MAX_ID_CHARS - 24  # room for an incarnation beside it (ipc/receivers.py)
 MAX_REASON_KEYS = 64
 MAX_CACHE_SALT = 128  # characters of an encode's cache_salt (protocol 1.1)
 CACHE_KEY_BYTES = 32  # the key of the keyed content hash (BLAKE3's key size)
@@ -210,17 +211,40 @@ def check_item_against_tower(i: int, item: EncodeItem, patch_dim: int, merge: in
 # ---------------------------------------------------------------- bootstrap
 
 
+@dataclass(frozen=True)
+class KeyedFrame:
+    """A frame from a CurveZMQ socket, with the public key (Z85) its peer authenticated
+    with: the worker binds a receiver id to the key that registered it."""
+    data: bytes
+    key: str
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
 @dataclass
 class Register:
     receiver: str
     session: str
     status: str
+    incarnation: int | None = None  # (1.1) a receiver restarted on the same session registers a new one
+    # Not on the wire: the CurveZMQ public key the register came under ('' without CURVE),
+    # set by the worker; the id is the key's while the registration lives.
+    key: str = ""
 
     @functools.cached_property
     def session_hash(self) -> int:
-        """A 64-bit hash of the session: an alloc's addresses name memory of one Mooncake
-        session, and a receiver registered again under another is another process."""
-        return xxhash.xxh3_64_intdigest(self.session.encode())
+        """A 64-bit hash of the session and incarnation: an alloc's addresses name memory of
+        one Mooncake session, and a receiver registered again under another session, or
+        under another incarnation of the same one, is another process."""
+        return binding_hash(self.session, self.incarnation)
+
+
+def binding_hash(session: str, incarnation: int | None) -> int:
+    """Register.session_hash of a receiver process: its session, and its incarnation if it
+    names one."""
+    tail = b"" if incarnation is None else b"\0" + str(incarnation).encode()
+    return xxhash.xxh3_64_intdigest(session.encode() + tail)
 
 
 @dataclass
@@ -237,6 +261,7 @@ class Alloc:
     dtype: str
     deepstack_width: int
     fanout: int
+    incarnation: int | None = None  # (1.1) the receiver process's incarnation it was sent by
     # Not on the wire: Register.session_hash of the registration the alloc came under, set by
     # the worker. Rows are written only while the receiver's session is still that one.
     session_hash: int = 0
@@ -248,6 +273,14 @@ class Cancel:
     room: int
 
 
+@dataclass
+class Query:
+    """(1.1) The receiver heard nothing of a room for a while: the worker repeats what it
+    told it about the room."""
+    receiver: str
+    room: int
+
+
 def _short_str(msg: dict, key: str) -> str:
     v = msg.get(key)
     if not isinstance(v, str) or not 1 <= len(v) <= MAX_ID_CHARS:
@@ -255,7 +288,14 @@ def _short_str(msg: dict, key: str) -> str:
     return v
 
 
-def parse_bootstrap(msg: dict) -> Register | Alloc | Cancel:
+def _incarnation(msg: dict) -> int | None:
+    v = msg.get("incarnation")
+    if v is not None and not is_u64(v):
+        raise ProtocolError("incarnation must be an unsigned 64-bit integer")
+    return v
+
+
+def parse_bootstrap(msg: dict) -> Register | Alloc | Cancel | Query:
     kind = msg.get("type")
     if kind == "register":
         status = _short_str(msg, "status")
@@ -263,14 +303,18 @@ def parse_bootstrap(msg: dict) -> Register | Alloc | Cancel:
         if m is None or (m.group(2) is not None and not 1 <= int(m.group(2)) <= 65535):
             raise ProtocolError("status must be an endpoint tcp://host:port (port 1..65535) "
                                 "or ipc://path (up to 100 characters)")
-        return Register(_short_str(msg, "receiver"), _short_str(msg, "session"), status)
-    if kind == "cancel":
+        session = _short_str(msg, "session")
+        if "\0" in session or len(session.encode()) > MAX_SESSION_BYTES:
+            # The receiver table keeps an incarnation after a NUL in the session's field.
+            raise ProtocolError(f"session must hold no NUL and at most {MAX_SESSION_BYTES} bytes of UTF-8")
+        return Register(_short_str(msg, "receiver"), session, status, _incarnation(msg))
+    if kind in ("cancel", "query"):
         room = room_of(msg)
         if room is None:
             raise ProtocolError("room must be an unsigned 64-bit integer")
-        return Cancel(_short_str(msg, "receiver"), room)
+        return (Cancel if kind == "cancel" else Query)(_short_str(msg, "receiver"), room)
     if kind != "alloc":
-        raise ProtocolError(f"bootstrap takes register, alloc or cancel, not {kind!r}")
+        raise ProtocolError(f"bootstrap takes register, alloc, cancel or query, not {kind!r}")
     receiver = _short_str(msg, "receiver")
     for key in ("room", "dst", "dst_deepstack"):
         if not is_u64(msg.get(key)):
@@ -286,12 +330,30 @@ def parse_bootstrap(msg: dict) -> Register | Alloc | Cancel:
         raise ProtocolError(f"dtype must be one of {', '.join(DTYPES)}")
     return Alloc(receiver, msg["room"], msg["item"], msg["dst"], msg["dst_deepstack"],
                  msg["row_start"], msg["n_rows"], msg["span"], msg["hidden"], msg["dtype"],
-                 msg["deepstack_width"], fanout)
+                 msg["deepstack_width"], fanout, _incarnation(msg))
 
 
-def status_message(room: int, item: int | None, ok: bool, reason: str = "") -> bytes:
-    return encode({"v": VERSION, "type": "status", "room": room, "item": item,
-                   "state": "success" if ok else "failed", "reason": "" if ok else reason})
+def status_message(room: int, item: int | None, ok: bool, reason: str = "", *,
+                   digest: bytes | None = None, repeat: bool = False) -> bytes:
+    msg = {"v": VERSION, "type": "status", "room": room, "item": item,
+           "state": "success" if ok else "failed", "reason": "" if ok else reason}
+    if digest is not None:
+        msg["digest"] = digest
+    if repeat:
+        msg["repeat"] = True
+    return encode(msg)
+
+
+DIGEST_BYTES = 16
+
+
+def rows_digest(parts) -> bytes:
+    """(1.1) The digest a `success` carries: xxh3-128 of exactly the bytes written for one
+    receiver's shard, its main half then its deepstack half (`parts`: buffers, in order)."""
+    h = xxhash.xxh3_128()
+    for part in parts:
+        h.update(part)
+    return h.digest()
 
 
 def content_hash(modality: str, grid_thw, pixel_dtype: str, pixels) -> int:

@@ -15,6 +15,7 @@ import zmq
 
 from ipc import wire
 from ipc.transport import Engine
+from pipeline import curve
 
 MAX_EARLY_FAILED = 65536  # failed statuses kept for rooms not allocated here (yet)
 
@@ -42,14 +43,34 @@ class Receiver:
     Rows land in a receive buffer of `buffer_bytes` that the receiver allocates, or in
     `buffer`, one the caller supplies (a C-contiguous uint8 array, such as a view of a
     shared-memory segment that another process maps to read the rows): it is registered
-    as it is, and must outlive the receiver."""
+    as it is, and must outlive the receiver.
+
+    With workers that use CurveZMQ: `curve_cert`, this receiver's secret certificate
+    (its public half in the workers' curve_clients), and `worker_cert`, the workers'
+    public certificate. The receiver registers under its key, and its status socket is
+    then a CURVE server with the same key that admits the worker's key alone."""
 
     def __init__(self, receiver_id: str, bootstrap: str | list[str], *, buffer_bytes: int = 256 << 20,
                  buffer: np.ndarray | None = None,
                  hostname: str = "127.0.0.1", protocol_name: str = "tcp",
                  status_endpoint: str | None = None, ctx: zmq.Context | None = None,
-                 register_every_s: float = 60.0):
+                 register_every_s: float = 60.0, query_after_s: float | None = 30.0,
+                 incarnation: int | None = None, curve_cert: str | None = None,
+                 worker_cert: str | None = None):
         self.id = receiver_id
+        self.curve_keys = curve.peer_keys(curve_cert, worker_cert)
+        # (protocol 1.1) This process among those that ran under this id and session: allocs
+        # a predecessor sent are then never written into this one's memory.
+        self.incarnation = time.time_ns() if incarnation is None else incarnation
+        # A room not concluded here that heard nothing for this long is queried (1.1): a
+        # status lost on the way (a killed reaper, a socket's queue) comes again.
+        self.query_after_s = query_after_s
+        self.heard_at: dict[int, float] = {}  # room -> when last sent or heard anything of it
+        self._query_check_at = 0.0
+        self.queries_sent = 0
+        self.recovered_by_query = 0  # statuses that came only as a query's repeat
+        self.digest_mismatches = 0
+        self.mismatched: set[int] = set()  # rooms failed here for a digest mismatch
         # A worker lets a registration that owns no room expire after a while idle (its
         # registration_idle_s), or give way to newer ones when its table is full: an alloc
         # this long after the last register goes behind a fresh one, so that it is never
@@ -70,12 +91,17 @@ class Receiver:
         self.address = self.buffer.ctypes.data
         self.engine.register(self.address, buffer_bytes)
         self._free = [(0, buffer_bytes)]  # (offset, length), sorted
-        self.ctx = ctx or zmq.Context.instance()
+        # With CURVE a context of its own: its ZAP handler is stopped with it, at close.
+        self.own_ctx = zmq.Context() if ctx is None and self.curve_keys is not None else None
+        self.ctx = ctx or self.own_ctx or zmq.Context.instance()
         self.workers: dict[str, zmq.Socket] = {}  # bootstrap endpoint -> socket to it
         self.room_worker: dict[int, str] = {}     # room -> the bootstrap endpoint of its worker
         self.status_sock = self.ctx.socket(zmq.PULL)
         self.status_sock.setsockopt(zmq.LINGER, 0)
         self.status_sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # a status is tiny; a peer sending more is cut off
+        if self.curve_keys is not None:
+            own, worker = self.curve_keys
+            curve.serve(self.status_sock, curve.ServerKeys(own, frozenset([worker])))
         if status_endpoint is None:
             port = self.status_sock.bind_to_random_port(f"tcp://{hostname}")
             status_endpoint = f"tcp://{hostname}:{port}"
@@ -101,6 +127,8 @@ class Receiver:
             raise ValueError(f"receiver {self.id}: worker {bootstrap} is already added")
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 2000)
+        if self.curve_keys is not None:
+            curve.connect_as(sock, *self.curve_keys)
         sock.connect(bootstrap)
         self.workers[bootstrap] = sock
         self._register_with(bootstrap)
@@ -114,7 +142,8 @@ class Receiver:
         self.workers[worker].send(wire.encode({"v": wire.VERSION, "receiver": self.id, **msg}))
 
     def _register_msg(self) -> dict:
-        return {"type": "register", "session": self.engine.session, "status": self.status_endpoint}
+        return {"type": "register", "session": self.engine.session, "status": self.status_endpoint,
+                "incarnation": self.incarnation}
 
     def register(self) -> None:
         """(Re-)register with every worker."""
@@ -168,7 +197,9 @@ class Receiver:
                     "dst": self.address + offset if n_rows else 0,
                     "dst_deepstack": self.address + shard.ds_offset if n_rows and deepstack_width else 0,
                     "row_start": row_start, "n_rows": n_rows, "span": span, "hidden": hidden,
-                    "dtype": dtype, "deepstack_width": deepstack_width, "fanout": fanout}, worker)
+                    "dtype": dtype, "deepstack_width": deepstack_width, "fanout": fanout,
+                    "incarnation": self.incarnation}, worker)
+        self.heard_at[room] = time.monotonic()
         return shard
 
     def cancel(self, room: int) -> None:
@@ -176,6 +207,7 @@ class Receiver:
 
     # ------------------------------------------------------------ status
     def poll(self, timeout: float = 0.0) -> list[dict]:
+        self._query_silent()
         out, self._heard_early = self._heard_early, []
         if self.status_sock.poll(int(timeout * 1000)):
             while True:
@@ -188,6 +220,22 @@ class Receiver:
                     out.append(st)
         return out
 
+    def _query_silent(self) -> None:
+        """Query each room not concluded here that heard nothing for query_after_s."""
+        now = time.monotonic()
+        if self.query_after_s is None or now < self._query_check_at:
+            return
+        self._query_check_at = now + min(1.0, self.query_after_s / 4)
+        waiting = {room for room, item in self.shards if room not in self.failed and (room, item) not in self.success}
+        for room in waiting:
+            if now - self.heard_at.get(room, now) >= self.query_after_s:
+                self.query(room)
+
+    def query(self, room: int) -> None:
+        """(1.1) Ask the room's worker to repeat what it told this receiver of it."""
+        self.heard_at[room] = time.monotonic()
+        self.queries_sent += 1
+        self._send({"type": "query", "room": room}, self.worker_of(room))
     def _on_status(self, frame: bytes) -> dict | None:
         """Apply one status; None if it is not applied (counted in `dropped`). Anyone who
         reaches the status socket can send one, so nothing is taken on trust."""
@@ -196,10 +244,27 @@ class Receiver:
         except wire.ProtocolError as e:
             return self._reject("unparseable", f"unparseable status: {e}")
         room, item, state, reason = st.get("room"), st.get("item"), st.get("state"), st.get("reason")
+        digest, repeat = st.get("digest"), st.get("repeat", False)
         if (st.get("type") != "status" or not wire.is_u64(room) or state not in ("success", "failed")
-                or not isinstance(reason, str) or not (item is None or wire.is_u64(item))):
+                or not isinstance(reason, str) or not (item is None or wire.is_u64(item))
+                or not (digest is None or isinstance(digest, bytes) and len(digest) == wire.DIGEST_BYTES)
+                or type(repeat) is not bool):
             return self._reject("malformed", f"malformed status for room {str(room)[:40]} "
                                              f"(state {str(state)[:20]}, item {str(item)[:20]})")
+        if room in self.mismatched:  # failed here already: what the worker says of it changes nothing
+            self.dropped["after digest mismatch"] += 1
+            return None
+        if repeat and (room in self.failed or state == "success" and (room, item) in self.success):
+            self.dropped["repeat"] += 1  # a query's answer to a status that did come
+            return None
+        if room in self.heard_at:
+            self.heard_at[room] = time.monotonic()
+        st = self._apply(st, room, item, state, reason, digest)
+        if st is not None and repeat:
+            self.recovered_by_query += 1
+        return st
+
+    def _apply(self, st: dict, room: int, item, state: str, reason: str, digest: bytes | None) -> dict | None:
         if state == "success":
             if (room, item) not in self.shards:
                 return self._reject("no shard", f"success for room {room} item {item}, which this "
@@ -208,6 +273,13 @@ class Receiver:
                 return self._reject("after failed", f"success for room {room} item {item} after failed")
             if (room, item) in self.success:
                 return self._reject("second success", f"second success for room {room} item {item}")
+            if digest is not None and not self.digest_agrees(room, item, digest):
+                # Rows that are not what the worker wrote (bytes of another room landed
+                # over them, or the memory was reused too early): never used.
+                self.digest_mismatches += 1
+                self.mismatched.add(room)
+                self.failed[room] = "digest mismatch"
+                return {**st, "state": "failed", "reason": "digest mismatch"}
             self.success.add((room, item))
         else:
             if room in self.failed:
@@ -222,6 +294,14 @@ class Receiver:
                 return None
             self.failed[room] = reason
         return st
+
+    def digest_agrees(self, room: int, item: int, digest: bytes) -> bool:
+        """Do this receiver's rows of (room, item) hash to `digest` (a success's, protocol 1.1)?"""
+        s = self.shards[(room, item)]
+        isz = wire.DTYPES[s.dtype]
+        main = self.buffer[s.offset:s.offset + s.n_rows * s.hidden * isz]
+        deep = self.buffer[s.ds_offset:s.ds_offset + s.n_rows * s.deepstack_width * isz]
+        return wire.rows_digest((main, deep)) == digest
 
     def _reject(self, kind: str, text: str) -> None:
         self.dropped[kind] += 1
@@ -264,6 +344,8 @@ class Receiver:
                 self._give(s.offset, s.nbytes)
             self.success.discard(key)
         self.room_worker.pop(room, None)
+        self.heard_at.pop(room, None)
+        self.mismatched.discard(room)
 
     def _take(self, n: int) -> int:
         n = (n + 63) & ~63
@@ -293,4 +375,7 @@ class Receiver:
         for sock in self.workers.values():
             sock.close()
         self.status_sock.close()
+        if self.own_ctx is not None:
+            curve.stop(self.own_ctx)
+            self.own_ctx.term()
         self.engine.close()

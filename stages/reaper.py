@@ -23,6 +23,7 @@ from collections import Counter, OrderedDict
 import numpy as np
 
 from ipc.receivers import ReceiverTable
+from ipc import tcp_table
 from ipc.rooms import RoomState, RoomTable, TableFull
 from ipc.told import ToldTable, incarnation
 from ipc import wire
@@ -30,7 +31,7 @@ from ipc.stats import Histogram, ReasonCode, reason_class
 from ipc.wire import Register
 from stages import registry
 from stages.base import Stage
-from stages.records import (OWNER_REAPER, AllocSeen, Fence, Fenced, ItemDone, LateAlloc, Registered,
+from stages.records import (OWNER_REAPER, AllocSeen, Fence, Fenced, ItemDone, LateAlloc, Queried, Registered,
                             RoomAbandoned, RoomFailure, RoomOpened, RoomsLost, RoomSucceeded, ShardWritten,
                             UnknownRoom)
 from stages.status_pusher import StatusPusher
@@ -39,6 +40,11 @@ log = logging.getLogger("epd.reaper")
 
 WATCH_EVERY_S = 1.0
 RESTART_MARGIN_S = 5.0  # besides heartbeat_timeout_s: a dead or hung stage found, restarted, caught up
+# How long a dead sender's rooms wait for its orphaned connections to deliver what they
+# carry before their `failed` goes anyway: Mooncake's own bound on a write that makes no
+# progress (MC_TCP_PROGRESS_TIMEOUT_SEC, its default), which a live sender would have met.
+LATE_BYTES_BOUND_S = 30.0
+DRAIN_POLL_S = 0.05
 
 
 WATCHDOG = "room watchdog:"
@@ -82,7 +88,16 @@ class ReaperStage(Stage):
         self.concluded_by_reason = Counter()  # (outcome, reason class) -> rooms
         self.latency = Histogram()            # room opened to concluded, seconds
         self.to_mark: list[tuple[int, int, str]] = []  # (slot, room, reason): fenced, not yet Failed in the table
+        # A dead sender's rooms, failed, their `failed` held (with the receivers their fences
+        # named) until its orphaned connections have nothing left to deliver, or until
+        # drain_until: bytes it queued must not land in buffers a receiver reused.
+        self.draining: dict[int, set[str]] = {}
+        self.drain_until = 0.0
+        self._drain_at = 0.0
+        self.late_bytes_waits = 0  # sender deaths that left bytes on their way, and were waited for
+        self.waited = False
         self.unrecorded = 0  # statuses sent without a record (the told table was full)
+        self.query_answers = Counter()  # "repeat": statuses sent again; "none": nothing told yet
         self._watch_at = 0.0
 
     def start(self) -> None:
@@ -119,8 +134,8 @@ class ReaperStage(Stage):
                 self._registered(reg)
             case AllocSeen(room=room, receiver=receiver):
                 self.allocated.setdefault(room, set()).add(receiver)
-            case ShardWritten(room=room, item=item, receiver=receiver):
-                self._tell_success(room, item, receiver)
+            case ShardWritten(room=room, item=item, receiver=receiver, digest=digest):
+                self._tell_success(room, item, receiver, digest)
             case ItemDone(slot=slot, room=room, done=done_so_far):
                 # The count so far, not "one more": a successor handed the record its
                 # predecessor died with must not count the item twice (and end the room early).
@@ -134,6 +149,8 @@ class ReaperStage(Stage):
                 self._alloc_after_all(room, receiver, "unknown room", dropped=False)
             case UnknownRoom(room=room, receiver=receiver, reason=reason):
                 self._alloc_after_all(room, receiver, reason, dropped=True)
+            case Queried(room=room, receiver=receiver, pending=pending):
+                self._on_query(room, receiver, pending)
             case _:
                 raise ValueError(f"unknown event {rec!r}")
 
@@ -149,13 +166,16 @@ class ReaperStage(Stage):
                 self._fail(RoomFailure(slot, room, f"deadline exceeded (deadline_ms, capped at max_deadline_s "
                                                    f"{self.max_deadline_s:g} s)" if capped else
                                                    "deadline exceeded (deadline_ms)", ReasonCode.DEADLINE))
+        if self.draining and now >= self._drain_at:
+            self._drain_at = now + DRAIN_POLL_S
+            self._tell_drained(now)
         self._expire_tombstones(now)
         self.pusher.tick()
 
     def next_tick_in(self, now: float) -> float | None:
         due = min(self.deadlines[0][0], self._watch_at) if self.deadlines else self._watch_at
-        if self.pusher.n_waiting:  # statuses wait for a socket: one frees within its linger
-            due = min(due, now + 0.05)
+        if self.pusher.n_waiting or self.draining:  # a socket frees within its linger; bytes land
+            due = min(due, now + DRAIN_POLL_S)
         return max(0.0, due - now)
 
     def deadline_of(self, deadline: float, created: float) -> float:
@@ -183,6 +203,7 @@ class ReaperStage(Stage):
     def stats(self) -> dict:
         return {"rooms": dict(self.outcomes), **self.pusher.stats(),
                 "status_unrecorded": self.unrecorded, "deadline_heap": len(self.deadlines),
+                "query_answers": dict(self.query_answers), "late_bytes_waits": self.late_bytes_waits,
                 "rooms_concluded": dict(self.concluded_by_reason), "room_latency_seconds": self.latency.snapshot()}
 
     def close(self) -> None:
@@ -212,35 +233,79 @@ class ReaperStage(Stage):
             code = ReasonCode.STAGE_DIED if lost.died else ReasonCode.SHUTDOWN  # "": a drain's end
             self._fail(RoomFailure(slot, room, lost.reason, code))
             if writes_gone:
-                # The sender's process is gone, and its writes with it: that is the fence.
-                self._fenced(room, ())
+                # No write of the sender's can start any more; what its connections had
+                # queued still lands: told once that is delivered (_tell_drained).
+                self.draining.setdefault(room, set())
+        if writes_gone and self.draining:
+            now = time.monotonic()
+            self.drain_until = now + LATE_BYTES_BOUND_S
+            self._drain_at = now + DRAIN_POLL_S
+            self.waited = False
+            self._tell_drained(now)
+
+    def _tell_drained(self, now: float) -> None:
+        """Fence the dead sender's rooms once its orphaned connections to the receivers'
+        hosts carry nothing more (ipc/tcp_table.py), or at the bound."""
+        hosts = tcp_table.host_addresses(r.session.rpartition(":")[0] for r in self.registrations.values())
+        if now < self.drain_until and tcp_table.late_bytes(hosts):
+            self.late_bytes_waits += not self.waited
+            self.waited = True
+            return
+        draining, self.draining = self.draining, {}
+        for room, receivers in draining.items():
+            self._fenced(room, receivers)
 
     def _registered(self, reg: Register) -> None:
         self.registrations[reg.receiver] = reg
-        self.pusher.register(reg.receiver, reg.status)
+        self.pusher.register(reg.receiver, reg.status, reg.key)
         if len(self.registrations) > self.receivers.capacity:
             # The sender frees registrations (expired, or given way) without a record:
             # the shared table says which are left.
             self._reload_registrations()
 
     def _reload_registrations(self) -> dict:
-        registered = self.receivers.load()
+        registered = self.receivers.registrations()
         for receiver in [r for r in self.registrations if r not in registered]:
             del self.registrations[receiver]
             self.pusher.forget(receiver)
-        for receiver, (session, status) in registered.items():
-            self.registrations[receiver] = Register(receiver, session, status)
-            self.pusher.register(receiver, status)
+        for receiver, reg in registered.items():
+            self.registrations[receiver] = reg
+            self.pusher.register(receiver, reg.status, reg.key)
         return registered
 
-    def _tell_success(self, room: int, item: int, receiver: str) -> None:
+    def _tell_success(self, room: int, item: int, receiver: str, digest: bytes | None) -> None:
         who = self._incarnation(receiver)
         if self.told.told_failed(room, who) or self.told.told_success(room, item, who):
             return
         self._recorded(self.told.record_success(room, item, who, time.monotonic()))
-        self.pusher.send(receiver, wire.status_message(room, item, True))
+        self.pusher.send(receiver, wire.status_message(room, item, True, digest=digest))
+
+    def _on_query(self, room: int, receiver: str, pending: bool) -> None:
+        """Repeat what `receiver` was told of `room` (a status lost with a killed reaper or in
+        a socket's queue); if nothing, answer as a late alloc would, unless its status is
+        still to come. A repeated success carries no digest: the told table keeps none."""
+        if receiver not in self.registrations:
+            return
+        failed, items = self.told.told_to(room, self._incarnation(receiver))
+        if failed:
+            entry = self._entry(room)
+            reason = (entry.reason if entry is not None and entry.state == RoomState.FAILED
+                      else self.untabled.get(room, "room failed"))
+            self.pusher.send(receiver, wire.status_message(room, None, False, reason, repeat=True))
+        for item in [] if failed else sorted(items):
+            self.pusher.send(receiver, wire.status_message(room, item, True, repeat=True))
+        if failed or items:
+            self.query_answers["repeat"] += 1
+        elif pending or room in self.reasons:
+            self.query_answers["none"] += 1
+        else:
+            self.query_answers["late"] += 1
+            self._alloc_after_all(room, receiver, "unknown room", dropped=False)
 
     def _fenced(self, room: int, receivers) -> None:
+        if room in self.draining:  # the fence a successor answers: bytes of its predecessor may still land
+            self.draining[room].update(receivers)
+            return
         reason = self.reasons.pop(room, None)
         if reason is None:
             entry = self._entry(room)
@@ -281,11 +346,11 @@ class ReaperStage(Stage):
                 # Whom we told about a room we never had is remembered as long as a
                 # tombstone, and as boundedly: hostile allocs must not grow `told`.
                 self.tombstones[room] = (time.monotonic(), None)
-        elif entry.state == RoomState.FAILED:
-            reason = entry.reason
-        elif room in self.reasons:  # failing, fence not yet answered: it will tell them
+        elif room in self.reasons:  # failing, fence not yet answered (or bytes landing): it tells them
             self.allocated.setdefault(room, set()).add(receiver)
             return
+        elif entry.state == RoomState.FAILED:
+            reason = entry.reason
         elif entry.state < RoomState.SUCCESS:
             # Live, and yet the sender answered: it fenced the room already (LateAlloc; a
             # dead predecessor of ours failed it, and its record or the watchdog fails it
@@ -399,7 +464,7 @@ class ReaperStage(Stage):
         heard, and it is told again. One that only moved its status endpoint is the same
         process, and hears nothing twice."""
         reg = self.registrations.get(receiver)
-        return receiver if reg is None else incarnation(receiver, reg.session)
+        return receiver if reg is None else incarnation(receiver, reg.session, reg.incarnation)
 
     def _recorded(self, ok: bool) -> None:
         if not ok:
@@ -426,7 +491,8 @@ class ReaperStage(Stage):
 def build(env, name, emit, custody) -> ReaperStage:
     cfg, sh = env.cfg, env.shared
     return ReaperStage(emit, rooms=sh.rooms, told=sh.told, receivers=sh.receivers,
-                       pusher=StatusPusher(cfg.status_hwm, cfg.max_status_sockets, cfg.status_socket_idle_s),
+                       pusher=StatusPusher(cfg.status_hwm, cfg.max_status_sockets, cfg.status_socket_idle_s,
+                                           curve=env.curve_keypair),
                        tombstone_ttl_s=cfg.tombstone_ttl_s, max_tombstones=cfg.max_tombstones,
                        bootstrap_timeout_s=cfg.bootstrap_timeout_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s,
                        max_deadline_s=cfg.max_deadline_s, custody=custody)

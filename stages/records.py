@@ -28,11 +28,12 @@ tower replica (stages/registry.py), and a tower's records to the scheduler name 
 | RoomFailure | sender | reaper | a bad alloc, a failed write, a cancel, a bootstrap timeout |
 | Registered | sender | reaper | a receiver (re)registered (already in the receiver table): its status endpoint |
 | AllocSeen | sender | reaper | a receiver's first alloc for a live room (it must hear how the room ends) |
-| ShardWritten | sender | reaper | one receiver's rows of an item are written: tell it `success` |
+| ShardWritten | sender | reaper | one receiver's rows of an item are written: tell it `success`, with their digest |
 | ItemDone | sender | reaper | every shard of an item is written, and how many of the room's items are |
 | Fenced | sender | reaper | no write for the room is in flight or can start: tell its receivers `failed` |
 | LateAlloc | sender | reaper | an alloc for a room that is already concluded |
 | UnknownRoom | sender | reaper | an alloc for a room never seen, timed out or refused |
+| Queried | sender | reaper | a receiver's `query` for a room: repeat what it was told |
 | Fence | reaper | sender | the room failed: stop its writes and answer `Fenced` |
 | RoomSucceeded | reaper | sender | the room succeeded: drop what is left of it |
 | RoomAbandoned | reaper | cache, scheduler | the room failed: drop its items that wait |
@@ -162,6 +163,7 @@ class ShardWritten:
     room: int
     item: int
     receiver: str
+    digest: bytes | None = None  # wire.rows_digest of exactly the bytes written to it
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +191,13 @@ class UnknownRoom:
     room: int
     receiver: str
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Queried:
+    room: int
+    receiver: str
+    pending: bool  # the sender still holds allocs for it or has it live: its status is to come
 
 
 @dataclass(frozen=True, slots=True)

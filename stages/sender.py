@@ -22,13 +22,13 @@ from ipc.receivers import MAX_RECEIVERS, ReceiverTable
 from ipc.rooms import RoomState, RoomTable
 from ipc import wire
 from ipc.stats import Histogram, ReasonCode
-from ipc.wire import Alloc, Cancel, ProtocolError, Register
+from ipc.wire import Alloc, Cancel, ProtocolError, Query, Register
 from stages import registry
 from stages.alloc_checks import RowShape, alloc_problem, tiling_problem
 from stages.base import POLL_S, Stage
 from stages.records import (OWNER_SENDER, AllocSeen, Fence, Fenced, ItemDone, LateAlloc,
-                            ReadyItem, Registered, RoomFailure, RoomOpened, RoomSucceeded, ShardWritten,
-                            UnknownRoom)
+                            Queried, ReadyItem, Registered, RoomFailure, RoomOpened, RoomSucceeded,
+                            ShardWritten, UnknownRoom)
 
 log = logging.getLogger("epd.sender")
 
@@ -39,6 +39,7 @@ class _Write:
     receiver: str
     pending: object  # transport Pending
     started: float   # time.monotonic() at submit
+    digest: bytes    # wire.rows_digest of the bytes it writes
 
 
 @dataclass
@@ -122,8 +123,8 @@ class SenderStage(Stage):
         """A predecessor's registrations and held allocs, if there was one: they outlive it
         (and the reaper) in shared memory."""
         now = time.monotonic()  # how recently a predecessor heard from them died with it
-        for rx, (session, status) in self.registrations.load().items():
-            self.receivers[rx] = Register(rx, session, status)
+        for rx, reg in self.registrations.registrations().items():
+            self.receivers[rx] = reg
             self.heard_at[rx] = now
         for slot, since, a in self.held_table.load():
             self.held.setdefault(a.room, []).append((since, a, slot))
@@ -136,7 +137,7 @@ class SenderStage(Stage):
 
     def handle(self, source: str, rec) -> None:
         match rec:
-            case bytes():
+            case bytes() | wire.KeyedFrame():
                 self._on_bootstrap(rec)
             case RoomOpened():
                 self._on_opened(rec)
@@ -180,25 +181,37 @@ class SenderStage(Stage):
                 "alloc_wait_seconds": self.alloc_wait.snapshot()}
 
     # ------------------------------------------------------------ inputs
-    def _on_bootstrap(self, frame: bytes) -> None:
+    def _on_bootstrap(self, frame: bytes | wire.KeyedFrame) -> None:
         now = time.monotonic()
+        key = frame.key if isinstance(frame, wire.KeyedFrame) else ""
         try:
-            msg = wire.decode(frame)
+            msg = wire.decode(frame.data if isinstance(frame, wire.KeyedFrame) else frame)
             m = wire.parse_bootstrap(msg)
         except ProtocolError as e:
             self._drop(f"bootstrap message: {e}")
             return
+        bound = self.receivers.get(m.receiver)
+        if bound is not None and bound.key != key:  # an id is its first key's while registered
+            self._drop(f"{type(m).__name__.lower()} naming a receiver registered under another key")
+            return
         if isinstance(m, Register):
+            m.key = key
             self._on_register(m, now)
             return
-        if m.receiver not in self.receivers:
+        if bound is None:
             self._drop(f"{type(m).__name__.lower()} from unregistered receiver")
             return
         self._heard(m.receiver, now)
         if isinstance(m, Cancel):
             self._on_cancel(m)
+        elif isinstance(m, Query):  # pending: its status is still to come, never "unknown room"
+            self.emit(registry.REAPER, Queried(m.room, m.receiver, m.room in self.held or m.room in self.live))
         else:
-            m.session_hash = self.receivers[m.receiver].session_hash
+            reg = self.receivers[m.receiver]
+            # An alloc that names its incarnation is bound to it: one of an older
+            # incarnation than the registration's fails its room when its write would start.
+            m.session_hash = (reg.session_hash if m.incarnation is None or reg.incarnation is None
+                              else wire.binding_hash(reg.session, m.incarnation))
             self._on_alloc(m, now)
 
     def _on_register(self, m: Register, now: float) -> None:
@@ -214,7 +227,7 @@ class SenderStage(Stage):
             self.receivers_evicted += 1
         # In shared memory before anyone hears of it, so a restarted sender or reaper
         # knows every receiver that may send an alloc or wait for a status.
-        self.registrations.put(m.receiver, m.session, m.status)
+        self.registrations.put(m.receiver, m.session, m.status, m.incarnation, m.key)
         self.receivers[m.receiver] = m
         self._heard(m.receiver, now)
         self.emit(registry.REAPER, Registered(m))
@@ -229,9 +242,6 @@ class SenderStage(Stage):
         del self.receivers[receiver]
         self.heard_at.pop(receiver, None)
         self.engaged.pop(receiver, None)
-
-    def _engage(self, receiver: str) -> None:
-        self.engaged[receiver] += 1
 
     def _disengage(self, receiver: str) -> None:
         """One room or held alloc of `receiver` less: with none left, its idle time starts now."""
@@ -331,7 +341,7 @@ class SenderStage(Stage):
             return
         if a.receiver not in tx.receivers:
             tx.receivers.add(a.receiver)
-            self._engage(a.receiver)
+            self.engaged[a.receiver] += 1
             self.emit(registry.REAPER, AllocSeen(a.room, a.receiver))
         if tx.failing:
             return
@@ -367,7 +377,7 @@ class SenderStage(Stage):
             return
         self.held.setdefault(a.room, []).append((arrival, a, slot))
         self.n_held += 1
-        self._engage(a.receiver)
+        self.engaged[a.receiver] += 1
 
     # ------------------------------------------------------------ writes
     def _maybe_start(self, room: int, tx: _RoomTx, item: int) -> None:
@@ -381,41 +391,48 @@ class SenderStage(Stage):
             return
         # no owner: the table's holders field is the custody bit mask, which a number would overwrite
         self.rooms.advance(tx.slot, room, RoomState.TRANSFERRING)
-        base = self.arena.address + it.ready.lease.offset
-        main_row = self.shape.hidden * self.itemsize
-        ds_row = self.shape.deepstack_width * self.itemsize
-        ds_base = base + tx.spans[item] * main_row
         for a in it.allocs:
             if a.session_hash != self.receivers[a.receiver].session_hash:
-                # The receiver registered again since under another session (a restarted
-                # process): the addresses this alloc named are its predecessor's.
-                self._fail(room, tx, f"receiver {a.receiver} registered again with another session after "
-                                     f"its alloc for item {item}: the buffers it named are gone", ReasonCode.BAD_ALLOC)
+                # The receiver registered again since (a restarted process), or the alloc came
+                # from an older incarnation: the addresses it named are not the registered one's.
+                self._fail(room, tx, f"receiver {a.receiver} registered again with another session or "
+                                     f"incarnation than its alloc for item {item}: the buffers it named are gone",
+                           ReasonCode.BAD_ALLOC)
                 return
+        rows = self.arena.view(it.ready.lease)
         for a in it.allocs:
-            if not a.n_rows:
-                self.emit(registry.REAPER, ShardWritten(room, item, a.receiver))
-                continue
-            srcs = [base + a.row_start * main_row]
-            dsts = [a.dst]
-            lens = [a.n_rows * main_row]
-            if ds_row:
-                srcs.append(ds_base + a.row_start * ds_row)
-                dsts.append(a.dst_deepstack)
-                lens.append(a.n_rows * ds_row)
-            session = self.receivers[a.receiver].session
-            try:
-                pending = self.engine.submit(session, srcs, dsts, lens)
-            except Exception as e:  # the transport names the cause
-                self.transfer_failures += 1
-                self._fail(room, tx, f"transfer to receiver {a.receiver} could not start: {e}", ReasonCode.TRANSFER_ERROR)
+            if not self._write_shard(room, tx, item, a, rows):
                 return
-            tx.writes.append(_Write(item, a.receiver, pending, time.monotonic()))
-            self.writing.add(room)
-            it.writes_left += 1
-            self.bytes_written += sum(lens)
         if not it.writes_left:
             self._item_done(room, tx, item)
+
+    def _write_shard(self, room: int, tx: _RoomTx, item: int, a: Alloc, rows: memoryview) -> bool:
+        """Start the write of one alloc's rows (`rows`: the item's lease); False if the room failed."""
+        main_row = self.shape.hidden * self.itemsize
+        ds_row = self.shape.deepstack_width * self.itemsize
+        main = (a.row_start * main_row, a.n_rows * main_row)  # (offset in the lease, length)
+        deep = (tx.spans[item] * main_row + a.row_start * ds_row, a.n_rows * ds_row)
+        parts = [rows[off:off + n] for off, n in (main, deep)]
+        if not a.n_rows:
+            self.emit(registry.REAPER, ShardWritten(room, item, a.receiver, wire.rows_digest(parts)))
+            return True
+        base = self.arena.address + tx.items[item].ready.lease.offset
+        halves = [main, deep] if ds_row else [main]
+        dsts = [a.dst, a.dst_deepstack][:len(halves)]
+        try:
+            pending = self.engine.submit(self.receivers[a.receiver].session, [base + off for off, _ in halves],
+                                         dsts, [n for _, n in halves])
+        except Exception as e:  # the transport names the cause
+            self.transfer_failures += 1
+            self._fail(room, tx, f"transfer to receiver {a.receiver} could not start: {e}", ReasonCode.TRANSFER_ERROR)
+            return False
+        # Hashed while Mooncake reads the same bytes in its threads: the lease keeps them
+        # until the write is terminal.
+        tx.writes.append(_Write(item, a.receiver, pending, time.monotonic(), wire.rows_digest(parts)))
+        self.writing.add(room)
+        tx.items[item].writes_left += 1
+        self.bytes_written += sum(n for _, n in halves)
+        return True
 
     def _fenced_unopened(self, room: int, entry, pop: bool) -> bool:
         """Was `room` fenced before it opened here? (A room id may come back after its
@@ -443,12 +460,15 @@ class SenderStage(Stage):
             if not ok:
                 self.transfer_failures += 1
             if ok and not tx.failing:
-                self.emit(registry.REAPER, ShardWritten(room, w.item, w.receiver))
+                self.emit(registry.REAPER, ShardWritten(room, w.item, w.receiver, w.digest))
             elif not ok:
                 reason = getattr(w.pending, "error", "") or "write failed"
                 self._fail(room, tx, f"transfer to receiver {w.receiver} failed: {reason}", ReasonCode.TRANSFER_ERROR)
             if not it.writes_left and not tx.failing:
                 self._item_done(room, tx, w.item)
+            elif not it.writes_left and it.ready is not None:  # fenced while written: no longer read
+                self._release(it.ready)
+                it.ready = None
         tx.writes = still
         if tx.failing and not tx.writes:
             self._conclude_fence(room, tx)
@@ -505,7 +525,10 @@ class SenderStage(Stage):
         if not tx.failing:
             tx.failing = True
             for it in tx.items:
-                if it.ready is not None:
+                # An item whose writes are in flight keeps its lease until they end
+                # (_poll_room): Mooncake still reads its rows, which must not be leased
+                # and rewritten for another room meanwhile.
+                if it.ready is not None and not it.writes_left:
                     self._release(it.ready)
                     it.ready = None
         if not tx.writes:

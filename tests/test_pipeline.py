@@ -344,6 +344,9 @@ def test_a_sender_killed_while_it_fences_a_failed_room_leaves_no_receiver_waitin
         assert room not in r.failed, "told before the fence (the write to the stopped receiver is in flight)"
         os.kill(stage_pid(w, "sender"), signal.SIGKILL)
         wait_restarted(w, "sender")
+        # It reads what the dead sender's connection still carried: only once that has landed
+        # (or LATE_BYTES_BOUND_S has passed) are the room's receivers told (issue #24).
+        os.kill(stalled.pid, signal.SIGCONT)
         end = time.monotonic() + 20
         while room not in r.failed and time.monotonic() < end:
             r.poll(0.1)

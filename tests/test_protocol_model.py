@@ -609,7 +609,8 @@ class PipelineModel(ProtocolModel):
         if not m.sent_before_kill.get("reaper", False):
             return False
         r = self.rx[k]
-        failed, items = self.w.runtime.shared.told.recorded(m.room, [r.id, incarnation(r.id, r.engine.session)])
+        names = [r.id, incarnation(r.id, r.engine.session, r.incarnation)]
+        failed, items = self.w.runtime.shared.told.recorded(m.room, names)
         return failed or m.items_of(k) - m.success.get(k, set()) <= items
 
     def segment_may_remain(self, name: str) -> bool:

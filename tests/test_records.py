@@ -122,6 +122,7 @@ def test_what_the_stages_emit_is_in_the_table(shm_prefix, tmp_path, monkeypatch)
         late = room_of(7)
         assert rx.wait({late: 1}, 60)
         rx.alloc(late, 0, **spec)                      # after the room concluded: LateAlloc
+        rx.query(late)                                 # a query: Queried
         rx.register()                                  # a receiver registers again
         rx.poll(0.5)
     finally:

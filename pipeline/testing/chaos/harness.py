@@ -83,6 +83,7 @@ class Chaos:
         self.signalled: Counter = Counter()  # stage -> the harness's SIGKILLs and SIGSTOPs of it
         self.unasked: Counter = Counter()    # stage -> deaths the harness did not cause
         self.violation_kinds: Counter = Counter()
+        self.recovered_by_query = 0  # statuses receivers lacked and got as a query's repeat
         self.observer_end: dict = {}        # slot key -> when that incarnation died
         self.load_on = True
         self.next_progress = 0.0
@@ -154,7 +155,7 @@ class Chaos:
         if kind == "ready":
             slot.state = "up"
             # whom the worker's told table records a status for (stages/reaper.py, _incarnation)
-            self.incarnations[slot.key] = (slot.rx_id, incarnation(slot.rx_id, msg[2]))
+            self.incarnations[slot.key] = (slot.rx_id, incarnation(slot.rx_id, msg[2], msg[4]))
             self.log(f"receiver {slot.rx_id} up (pid {msg[1]}, incarnation {slot.inc})")
         elif kind == "status":
             _, room, item, state, reason, at = msg
@@ -168,6 +169,8 @@ class Chaos:
                 ob.setdefault("done_at", at)
         elif kind == "violation":
             self.violation(msg[1], msg[2])
+        elif kind == "recovered":
+            self.recovered_by_query += 1
         elif kind == "final":
             slot.final = msg[1]
             slot.state = "finished"
@@ -497,6 +500,8 @@ class Chaos:
             "rooms_hung": len(ch.hung),
             "duplicate_statuses": self.violation_kinds["duplicate"],
             "wrong_rows": self.violation_kinds["wrong_rows"],
+            "digest_mismatches": self.violation_kinds["digest_mismatch"],
+            "statuses_recovered_by_query": self.recovered_by_query,
             "serving_at_end": ch.serving_at_end,
             "dense": self.s.dense,
             "degraded_s": round(t.degraded_total[-1], 1),

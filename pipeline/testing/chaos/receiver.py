@@ -1,7 +1,9 @@
 """A receiver process of the chaos run: one prefill rank under test. It allocs what the
 harness tells it, fills its buffer with canary bytes, and checks every status it hears:
-rows bit-exact against the sim tower's formula on success, nothing written after a
-failed, no (room, item) concluded twice."""
+rows bit-exact against the sim tower's formula on success (and against the success's
+digest), nothing written after a failed, no (room, item) concluded twice. A room it
+heard nothing of for QUERY_AFTER_S is queried (protocol 1.1); a repeat of a status it
+has is dropped, one it lacked counts as recovered."""
 from __future__ import annotations
 
 import heapq
@@ -13,7 +15,7 @@ from collections import deque
 
 import numpy as np
 
-from pipeline.testing.chaos.settings import CANARY, DEEPSTACK, DTYPE, HIDDEN, QUARANTINE_S, span_of
+from pipeline.testing.chaos.settings import CANARY, DEEPSTACK, DTYPE, HIDDEN, QUARANTINE_S, QUERY_AFTER_S, span_of
 from pipeline.testing.sim import expected_sim_rows, pixels, sim_pattern
 
 
@@ -50,13 +52,15 @@ class ChaosReceiver:
         from pipeline.receiver import Receiver
 
         self.conn = conn
-        self.r = Receiver(rx_id, bootstrap, buffer_bytes=buffer_bytes)
+        self.r = Receiver(rx_id, bootstrap, buffer_bytes=buffer_bytes, query_after_s=None)  # queried here
         self.r.buffer.fill(CANARY)
         self.expected = ExpectedRows()
         self.rooms: dict[int, RxRoom] = {}
         self.early: dict[int, list] = {}    # statuses for rooms not allocated (yet) here
         self.cancels: list = []             # heap of (when, room)
         self.quarantine: deque = deque()    # (check at, room)
+        self.heard_at: dict[int, float] = {}  # rooms not concluded here: when last heard of (or allocated)
+        self.query_at = 0.0
 
     def violation(self, text: str, kind: str = "other") -> None:
         self.conn.send(("violation", f"receiver {self.r.id}: {text}", kind))
@@ -77,6 +81,9 @@ class ChaosReceiver:
                 self.r.cancel(room)
             while self.quarantine and self.quarantine[0][0] <= now:
                 self.check_canaries(self.quarantine.popleft()[1])
+            if now >= self.query_at:
+                self.query_at = now + QUERY_AFTER_S / 4
+                self.query_silent(now)
             for room in [k for k, v in self.early.items() if v[0][0] < now - 120]:
                 del self.early[room]
 
@@ -101,8 +108,18 @@ class ChaosReceiver:
                     self.violation(f"unparseable status: {e}")
         return out
 
+    def query_silent(self, now: float) -> None:
+        for room, at in list(self.heard_at.items()):
+            rec = self.rooms[room]
+            if rec.failed is not None or rec.success == set(rec.shards):
+                del self.heard_at[room]
+            elif now - at >= QUERY_AFTER_S:
+                self.heard_at[room] = now
+                self.r.query(room)
+
     def on_room(self, room: int, shards: list[dict], cancel_after: float | None) -> None:
         rec = self.rooms[room] = RxRoom()
+        self.heard_at[room] = time.monotonic()
         for s in shards:
             self.r.alloc(room, s["item"], span=s["span"], hidden=HIDDEN, dtype=DTYPE,
                          deepstack_width=DEEPSTACK, fanout=s["fanout"], row_start=s["row_start"],
@@ -121,6 +138,12 @@ class ChaosReceiver:
             # after a sender death to every registered receiver, which ignores the rest.
             self.early.setdefault(room, []).append((time.monotonic(), st))
             return
+        if room in self.heard_at:
+            self.heard_at[room] = time.monotonic()
+        if st.get("repeat"):
+            if rec.failed is not None or state == "success" and item in rec.success:
+                return  # the answer to a query, of a status that did come
+            self.conn.send(("recovered", room, item))
         if state == "success":
             if rec.failed is not None:
                 self.violation(f"success for room {room} item {item} after failed ({rec.failed})", "duplicate")
@@ -131,6 +154,9 @@ class ChaosReceiver:
             else:
                 rec.success.add(item)
                 self.check_rows(room, item, rec.shards[item])
+                if st.get("digest") is not None and not self.r.digest_agrees(room, item, st["digest"]):
+                    self.violation(f"room {room} item {item}: its rows do not hash to the success's digest",
+                                   "digest_mismatch")
             self.conn.send(("status", room, item, "success", "", time.monotonic()))
             if rec.failed is None and rec.success == set(rec.shards) and not rec.released:
                 self.release(room, rec)
@@ -198,7 +224,7 @@ def receiver_main(rx_id: str, bootstrap: str, conn, buffer_bytes: int) -> None:
     except BaseException as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         raise
-    conn.send(("ready", os.getpid(), rx.r.engine.session, rx.r.status_endpoint))
+    conn.send(("ready", os.getpid(), rx.r.engine.session, rx.r.status_endpoint, rx.r.incarnation))
     try:
         rx.run()
     except EOFError:  # the harness is gone

@@ -7,6 +7,7 @@ import dataclasses
 HIDDEN, DEEPSTACK, DTYPE, MERGE = 256, 64, "bfloat16", 2
 CANARY = 0xA5
 QUARANTINE_S = 3.0
+QUERY_AFTER_S = 2.0      # a receiver queries a room it heard nothing of for this long (protocol 1.1)
 STATS_SETTLE_S = 2.0     # counters a stage publishes a few times a second: bound on waiting for them to clear
 GRIDS = [("image", (1, 4, 4)), ("image", (1, 8, 8)), ("image", (1, 8, 12)), ("video", (2, 4, 6))]
 HOT_POOL = 24            # images that recur all run long: cache hits
