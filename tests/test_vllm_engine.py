@@ -122,6 +122,31 @@ def test_rows_reach_the_encoder_cache_as_main_then_deepstack(sim):
         sched.shutdown()
 
 
+def test_the_connector_speaks_curve_to_a_worker_that_requires_it(tmp_path):
+    import zmq.auth
+
+    for name in ("worker", "engine"):
+        zmq.auth.create_certificates(str(tmp_path), name)
+    clients = tmp_path / "clients"
+    clients.mkdir()
+    os.link(tmp_path / "engine.key", clients / "engine.key")
+    prefix, conn_prefix = f"t{TOKEN}_{os.getpid()}_vcw", f"t{TOKEN}_{os.getpid()}_vcx"
+    w = start_worker("inprocess", sim_config(prefix, tmp_path, curve_cert=str(tmp_path / "worker.key_secret"),
+                                             curve_clients=str(clients)))
+    certs = dict(curve_cert=str(tmp_path / "engine.key_secret"), worker_cert=str(tmp_path / "worker.key"))
+    sched = EPDConnector(fake_config(w.cfg.bootstrap, conn_prefix, **certs), ECConnectorRole.SCHEDULER)
+    try:
+        grid, px = image(6)
+        Client(w.cfg.intake, w.cfg.shm_prefix, **certs).encode(17, "r17", [Item("image", grid, px)])
+        req = fake_request("g", 17, w.cfg.bootstrap, ["u7"])
+        wait_for(lambda: sched.ensure_cache_available(req, 0), 30, "room 17's rows over CURVE")
+        sched.request_finished(req)
+    finally:
+        sched.shutdown()
+        w.close()
+    assert not shm.list_objects(prefix) and not shm.list_objects(conn_prefix)
+
+
 def test_a_room_the_worker_fails_makes_the_request_unavailable(sim):
     w, prefix = sim
     sched = EPDConnector(fake_config(w.cfg.bootstrap, prefix), ECConnectorRole.SCHEDULER)

@@ -92,9 +92,9 @@ class Proxy:
     """Rewrites chat requests with images and forwards everything to vLLM."""
 
     def __init__(self, preprocessor: Preprocessor, workers: list[WorkerAddress], vllm: str,
-                 deadline_ms: int | None = None):
+                 deadline_ms: int | None = None, curve_cert: str | None = None, worker_cert: str | None = None):
         self.pre = preprocessor
-        self.client = RoutedClient(workers)
+        self.client = RoutedClient(workers, curve_cert=curve_cert, worker_cert=worker_cert)
         self.lock = threading.Lock()  # the client's sockets are used by one thread at a time
         self.vllm = urllib.parse.urlsplit(vllm)
         self.deadline_ms = deadline_ms
@@ -196,13 +196,16 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--mm-processor-kwargs", type=json.loads, default=None,
                    help="JSON: the same --mm-processor-kwargs vLLM runs with")
     p.add_argument("--deadline-ms", type=int, default=None, help="each room's deadline at the worker")
+    p.add_argument("--curve-cert", help="CurveZMQ: this proxy's .key_secret certificate (workers with curve_cert)")
+    p.add_argument("--worker-cert", help="CurveZMQ: the workers' public certificate")
     return p
 
 
 def main(argv: list[str], prog: str = "run.py proxy") -> int:
     args = build_parser(prog).parse_args(argv)
     host, _, port = args.listen.rpartition(":")
-    proxy = Proxy(Preprocessor(args.model, args.mm_processor_kwargs), args.worker, args.vllm, args.deadline_ms)
+    proxy = Proxy(Preprocessor(args.model, args.mm_processor_kwargs), args.worker, args.vllm, args.deadline_ms,
+                  args.curve_cert, args.worker_cert)
     server = serve(proxy, host or "127.0.0.1", int(port))
     print(f"proxy on http://{args.listen} -> {args.vllm}, {len(args.worker)} worker(s)", file=sys.stderr, flush=True)
     try:

@@ -83,6 +83,8 @@ class Settings:
     deepstack_width: int
     dtype: str
     shm_prefix: str
+    curve_cert: str | None   # CurveZMQ: this engine's .key_secret certificate
+    worker_cert: str | None  # and the workers' public one
 
     @classmethod
     def of(cls, vllm_config) -> "Settings":
@@ -107,7 +109,8 @@ class Settings:
                    hostname=str(extra.get("hostname", "127.0.0.1")),
                    hidden=int(extra.get("hidden", hidden)),
                    deepstack_width=int(extra.get("deepstack_width", layers * hidden)),
-                   dtype=dtype, shm_prefix=shm.check_prefix(str(extra.get("shm_prefix", SEGMENT_PREFIX))))
+                   dtype=dtype, shm_prefix=shm.check_prefix(str(extra.get("shm_prefix", SEGMENT_PREFIX))),
+                   curve_cert=extra.get("curve_cert"), worker_cert=extra.get("worker_cert"))
 
 
 def room_params(params: Any, workers: tuple[str, ...]) -> tuple[int, str, dict[str, int]]:
@@ -154,7 +157,8 @@ class EPDConnector(ECConnectorBase):
                                           s.buffer_bytes)
         buffer = np.frombuffer(self.segment.buf, dtype=np.uint8)
         self.receiver = Receiver(f"vllm-{socket.gethostname()}-{os.getpid()}-{self.lock.run_id}",
-                                 list(s.workers), buffer=buffer, hostname=s.hostname)
+                                 list(s.workers), buffer=buffer, hostname=s.hostname,
+                                 curve_cert=s.curve_cert, worker_cert=s.worker_cert)
         self.rooms: dict[str, Room] = {}          # request id -> its room
         self.room_owner: dict[int, str] = {}      # room -> request id
         self.ready: dict[str, set[str]] = {}      # identifier -> request ids whose rows for it are here
