@@ -130,8 +130,9 @@ def parse_args(argv) -> tuple[argparse.Namespace, set]:
     ap.add_argument("--window", type=int, default=64, help="rooms in flight at the receiver")
     ap.add_argument("--scenarios", default="cpu,small,device,tiny,replicas,tokenspeed",
                     help="comma-separated subset of cpu, small, device, tiny, replicas, tokenspeed (device needs "
-                         "cpu), and load: images/s of both modes at each of --load-windows rooms in flight, and "
-                         "store: two workers sharing a Mooncake Store (neither by default)")
+                         "cpu), and, not by default: load: images/s of both modes at each of --load-windows "
+                         "rooms in flight; store: two workers sharing a Mooncake Store; vllm: the worker as "
+                         "vLLM's encoder against vLLM's own (needs .venv-vllm)")
     ap.add_argument("--load-windows", default="1,2,4,8,16,32,64",
                     help="rooms in flight for the load scenario (default %(default)s; at most --window)")
     ap.add_argument("--seed", type=int, default=1)

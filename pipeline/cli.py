@@ -44,7 +44,7 @@ from pipeline.background import free_port
 from stages.registry import SUPERVISOR
 
 MODES = ["pipeline", "inprocess"]
-COMMANDS = ["demo", "serve", "config", "status", "bench"]
+COMMANDS = ["demo", "serve", "config", "status", "bench", "proxy"]
 log = logging.getLogger("epd.run")
 # The console script's name; run.py passes its own.
 PROG = "epd-worker"
@@ -58,6 +58,7 @@ EXIT_CODES = {
     "status": "0 a worker with this shm prefix is running; 2 bad configuration or flags; "
               "4 no worker with this shm prefix is running",
     "bench": "0 every benchmark ran; 1 one failed; 2 bad flags",
+    "proxy": "0 stopped by SIGINT; 2 bad flags",
 }
 
 
@@ -292,6 +293,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         add_flags(sub)
     # Parsed by benchmarks/bench.py itself (see bench()); listed here for the command list.
     commands.add_parser("bench", add_help=False, help=f"run the benchmarks; flags: {prog} bench --help")
+    # Parsed by pipeline/integrations/proxy.py.
+    commands.add_parser("proxy", add_help=False,
+                        help=f"a front for vLLM that has the workers encode the images; flags: {prog} proxy --help")
     return parser
 
 
@@ -302,6 +306,10 @@ def main(argv=None, prog: str = PROG) -> int:
         argv = ["demo"] + argv
     if argv[0] == "bench":
         return bench(argv[1:])
+    if argv[0] == "proxy":
+        from pipeline.integrations.proxy import main as proxy_main
+
+        return proxy_main(argv[1:], prog=f"{prog} proxy")
     args = build_parser(prog).parse_args(argv)
     # The demo runs beside whatever else runs here: its own prefix and a free port.
     demo_defaults = ({"shm_prefix": "epd_demo", "bootstrap": f"tcp://127.0.0.1:{free_port()}"}

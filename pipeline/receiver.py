@@ -40,12 +40,18 @@ class Receiver:
     """`bootstrap`: one worker's bootstrap endpoint, or a list of several; `alloc`
     then names the room's worker (`worker=`), or `route(room, worker)` does first.
 
+    Rows land in a receive buffer of `buffer_bytes` that the receiver allocates, or in
+    `buffer`, one the caller supplies (a C-contiguous uint8 array, such as a view of a
+    shared-memory segment that another process maps to read the rows): it is registered
+    as it is, and must outlive the receiver.
+
     With workers that use CurveZMQ: `curve_cert`, this receiver's secret certificate
     (its public half in the workers' curve_clients), and `worker_cert`, the workers'
     public certificate. The receiver registers under its key, and its status socket is
     then a CURVE server with the same key that admits the worker's key alone."""
 
     def __init__(self, receiver_id: str, bootstrap: str | list[str], *, buffer_bytes: int = 256 << 20,
+                 buffer: np.ndarray | None = None,
                  hostname: str = "127.0.0.1", protocol_name: str = "tcp",
                  status_endpoint: str | None = None, ctx: zmq.Context | None = None,
                  register_every_s: float = 60.0, query_after_s: float | None = 30.0,
@@ -72,10 +78,16 @@ class Receiver:
         self.register_every_s = register_every_s
         self.registered_at: dict[str, float] = {}  # bootstrap endpoint -> when last registered
         self.engine = Engine(hostname, protocol_name)
-        raw = np.empty(buffer_bytes + 4096, dtype=np.uint8)
-        raw.fill(0)  # touch every page now: writes into unfaulted pages run ~5x slower
-        start = (-raw.ctypes.data) % 4096
-        self.buffer = raw[start:start + buffer_bytes]
+        if buffer is None:
+            raw = np.empty(buffer_bytes + 4096, dtype=np.uint8)
+            raw.fill(0)  # touch every page now: writes into unfaulted pages run slower
+            start = (-raw.ctypes.data) % 4096
+            buffer = raw[start:start + buffer_bytes]
+        elif buffer.dtype != np.uint8 or buffer.ndim != 1 or not buffer.flags.c_contiguous or not buffer.size:
+            raise ValueError(f"receiver {receiver_id}: buffer must be a non-empty C-contiguous 1-D uint8 "
+                             f"array, got {buffer.dtype} of shape {buffer.shape}")
+        buffer_bytes = buffer.size
+        self.buffer = buffer
         self.address = self.buffer.ctypes.data
         self.engine.register(self.address, buffer_bytes)
         self._free = [(0, buffer_bytes)]  # (offset, length), sorted

@@ -26,7 +26,7 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 INLINE_CODE = re.compile(r"`([^`\n]+)`")
 # `run.py [COMMAND]` (demo when none is named) or `benchmarks/NAME.py`; quotes and
 # commas may stand between run.py and its command (a container's command list).
-COMMAND = re.compile(r"run\.py\b(?:[\"',\s]+(demo|serve|config|status|bench)\b)?|benchmarks/(\w+)\.py")
+COMMAND = re.compile(r"run\.py\b(?:[\"',\s]+(demo|serve|config|status|bench|proxy)\b)?|benchmarks/(\w+)\.py")
 FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)(-?\*)?")
 
 
@@ -140,6 +140,7 @@ def known_flags() -> dict[str, set[str]]:
         known[f"benchmarks/{path.name}"] = script_flags(path)
     known["run.py bench"] = known["benchmarks/bench.py"]
     known["tokenspeed"] = {"--disaggregation-bootstrap-port"}  # docs/tokenspeed.md: tokenspeed's own flag
+    known["run.py proxy"] = script_flags(ROOT / "pipeline" / "integrations" / "proxy.py")
     return known
 
 
@@ -157,11 +158,11 @@ def segments(doc: str) -> list[str]:
 
 def unknown_flags(doc: str, known: dict[str, set[str]]) -> list[str]:
     """A flag after a command must be one of that command's; any other flag must be one
-    of some command's. Lines of pytest's command line name pytest's flags: skipped."""
+    of some command's. Lines of pytest's and vLLM's command lines name their flags: skipped."""
     anywhere = set().union(*known.values())
     problems = []
     for seg in segments(doc):
-        if "pytest" in seg:
+        if "pytest" in seg or "vllm.entrypoints" in seg:
             continue
         commands = [(m.start(), f"run.py {m.group(1) or 'demo'}" if m.group(2) is None
                      else f"benchmarks/{m.group(2)}.py") for m in COMMAND.finditer(seg)]

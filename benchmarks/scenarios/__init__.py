@@ -10,6 +10,7 @@ from benchmarks.scenarios.sim_pair import cpu, small
 from benchmarks.scenarios.store import store
 from benchmarks.scenarios.tiny import tiny
 from benchmarks.scenarios.tokenspeed import tokenspeed
+from benchmarks.scenarios.vllm import vllm
 
 SCENARIOS = {"cpu": cpu, "small": small, "device": device, "replicas": replicas, "load": load, "tiny": tiny,
-             "tokenspeed": tokenspeed, "store": store}
+             "tokenspeed": tokenspeed, "store": store, "vllm": vllm}

@@ -1,0 +1,362 @@
+"""vLLM's encoder-cache (EC) connector for this worker: vLLM, as an EC consumer, takes
+each image's (or video's) rows from an encode worker instead of running its own tower.
+
+    python -m vllm.entrypoints.openai.api_server --model M --ec-transfer-config '{
+      "ec_connector": "EPDConnector", "ec_connector_module_path": "pipeline.integrations.vllm",
+      "ec_role": "ec_consumer",
+      "ec_connector_extra_config": {"workers": ["tcp://10.0.0.5:17600"]}}'
+
+A request names its room in `ec_transfer_params`, as `pipeline/integrations/proxy.py`
+writes it: `{"room": R, "worker": BOOTSTRAP, "items": {identifier: item index}}`, the
+identifier being the `uuid` vLLM gives the item. A request without them is encoded by
+vLLM itself, as without the connector. The only module of the project that imports vLLM.
+
+Scheduler side (vLLM's engine core): a `Receiver` whose receive buffer is a segment in
+/dev/shm. The first time the scheduler asks about a request it sends an `alloc` per
+item (span: vLLM's own count of the item's embeddings; hidden size and dtype: the
+model's), then holds the request back until every item's `success`, or hands it to
+vLLM as an error when the room fails or its deadline passes. Worker side (the model
+runner): copies each item's rows out of that segment into vLLM's encoder cache,
+`[main | deepstack]` side by side as Qwen3-VL expects.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ipc import shm, wire
+from pipeline.receiver import Receiver, Shard
+from vllm.distributed.ec_transfer.ec_connector.base import (
+    ECConnectorBase, ECConnectorMetadata, ECConnectorRole,
+)
+
+log = logging.getLogger("epd.vllm")
+
+SEGMENT_PREFIX = "epdvllm"  # /dev/shm/epdvllm-<run id>-rx; a sweep at start removes dead runs'
+_TORCH_DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
+
+
+@dataclass
+class Load:
+    """One item the worker side copies from the receive segment into the encoder cache."""
+    identifier: str
+    segment: str
+    offset: int
+    ds_offset: int
+    rows: int
+    hidden: int
+    deepstack_width: int
+    dtype: str
+
+
+@dataclass
+class EPDConnectorMetadata(ECConnectorMetadata):
+    loads: list[Load] = field(default_factory=list)
+
+
+@dataclass
+class Room:
+    """A request's room, as the scheduler side tracks it."""
+    request_id: str
+    room: int
+    worker: str
+    deadline: float
+    shards: dict[str, Shard]  # identifier -> the shard its rows land in
+    n_items: int
+    failed: str = ""
+    ready: bool = False
+
+
+@dataclass(frozen=True)
+class Settings:
+    workers: tuple[str, ...]  # bootstrap endpoints a request may name
+    buffer_bytes: int
+    deadline_s: float
+    hostname: str
+    hidden: int
+    deepstack_width: int
+    dtype: str
+    shm_prefix: str
+    curve_cert: str | None   # CurveZMQ: this engine's .key_secret certificate
+    worker_cert: str | None  # and the workers' public one
+
+    @classmethod
+    def of(cls, vllm_config) -> "Settings":
+        ec = vllm_config.ec_transfer_config
+        extra = dict(ec.ec_connector_extra_config or {})
+        workers = extra.get("workers")
+        if isinstance(workers, str):
+            workers = [workers]
+        if not workers or not all(isinstance(w, str) for w in workers):
+            raise ValueError("EPDConnector: ec_connector_extra_config needs \"workers\": the bootstrap "
+                             "endpoints of the encode workers requests may name")
+        hf = vllm_config.model_config.hf_config
+        vision = getattr(hf, "vision_config", None)
+        hidden = int(getattr(vision, "out_hidden_size", 0) or hf.get_text_config().hidden_size)
+        layers = len(getattr(vision, "deepstack_visual_indexes", None) or [])
+        dtype = extra.get("dtype") or _TORCH_DTYPES.get(str(vllm_config.model_config.dtype), "bfloat16")
+        if dtype not in wire.DTYPES:
+            raise ValueError(f"EPDConnector: dtype {dtype!r} is not one of {sorted(wire.DTYPES)}")
+        return cls(workers=tuple(workers),
+                   buffer_bytes=int(extra.get("buffer_bytes", ec.ec_buffer_size)),
+                   deadline_s=float(extra.get("deadline_s", 60.0)),
+                   hostname=str(extra.get("hostname", "127.0.0.1")),
+                   hidden=int(extra.get("hidden", hidden)),
+                   deepstack_width=int(extra.get("deepstack_width", layers * hidden)),
+                   dtype=dtype, shm_prefix=shm.check_prefix(str(extra.get("shm_prefix", SEGMENT_PREFIX))),
+                   curve_cert=extra.get("curve_cert"), worker_cert=extra.get("worker_cert"))
+
+
+def room_params(params: Any, workers: tuple[str, ...]) -> tuple[int, str, dict[str, int]]:
+    """(room, worker, identifier -> item) of a request's ec_transfer_params; ValueError
+    with the reason when they are not ours to follow."""
+    if not isinstance(params, dict):
+        raise ValueError("ec_transfer_params is not an object")
+    room, worker, items = params.get("room"), params.get("worker"), params.get("items")
+    if not wire.is_u64(room):
+        raise ValueError(f"ec_transfer_params: room {str(room)[:40]!r} is not an unsigned 64-bit integer")
+    if worker not in workers:
+        raise ValueError(f"ec_transfer_params: worker {str(worker)[:80]!r} is not one of this engine's "
+                         f"workers ({', '.join(workers)})")
+    if (not isinstance(items, dict) or not items
+            or not all(isinstance(k, str) and type(v) is int for k, v in items.items())
+            or sorted(items.values()) != list(range(len(items)))):
+        raise ValueError("ec_transfer_params: items must map each item's identifier to its index in the "
+                         "room, 0 to n - 1 once each")
+    return room, worker, items
+
+
+class EPDConnector(ECConnectorBase):
+    """vLLM's EC connector (consumer) over the encode worker's protocol."""
+
+    def __init__(self, vllm_config, role: ECConnectorRole):
+        super().__init__(vllm_config=vllm_config, role=role)
+        if self.is_producer:
+            raise ValueError("EPDConnector is a consumer: the encode worker produces; set ec_role "
+                             "to ec_consumer")
+        self.settings = Settings.of(vllm_config)
+        self.segments: dict[str, shm.Segment] = {}  # worker side: receive segments mapped
+        self.receiver: Receiver | None = None
+        if role == ECConnectorRole.SCHEDULER:
+            self._start_scheduler_side()
+
+    # ------------------------------------------------------------ scheduler side
+    def _start_scheduler_side(self) -> None:
+        s = self.settings
+        swept = shm.sweep(s.shm_prefix)
+        if swept:
+            log.info("EPDConnector: removed %d segments of dead engines: %s", len(swept), ", ".join(swept))
+        self.lock = shm.RunLock(s.shm_prefix)
+        self.segment = shm.Segment.create(shm.object_name(s.shm_prefix, self.lock.run_id, "rx"),
+                                          s.buffer_bytes)
+        buffer = np.frombuffer(self.segment.buf, dtype=np.uint8)
+        self.receiver = Receiver(f"vllm-{socket.gethostname()}-{os.getpid()}-{self.lock.run_id}",
+                                 list(s.workers), buffer=buffer, hostname=s.hostname,
+                                 curve_cert=s.curve_cert, worker_cert=s.worker_cert)
+        self.rooms: dict[str, Room] = {}          # request id -> its room
+        self.room_owner: dict[int, str] = {}      # room -> request id
+        self.ready: dict[str, set[str]] = {}      # identifier -> request ids whose rows for it are here
+        self.unavailable: dict[str, str] = {}     # request id -> why its rows will not come
+        self.draining: dict[int, float] = {}      # room canceled -> when we stop waiting for its status
+        self.loads: list[Load] = []
+        self.builds = 0                           # build_connector_meta calls so far
+        self.releasing: dict[int, int] = {}       # room of a finished request -> the build that frees it
+
+    def ensure_cache_available(self, request, num_computed_tokens: int) -> bool:
+        self.poll()
+        room = self.rooms.get(request.request_id)
+        if room is None:
+            if request.request_id in self.unavailable:
+                return False
+            if not request.ec_transfer_params:
+                return True  # not ours: vLLM encodes it
+            room = self._open(request, num_computed_tokens)
+            if room is None:
+                return request.request_id not in self.unavailable
+        if not room.ready and not room.failed:
+            self._settle(room)
+        return room.ready
+
+    def _open(self, request, num_computed_tokens: int) -> Room | None:
+        """Allocate a request's room; None when its rows are not needed or it failed."""
+        rid = request.request_id
+        try:
+            room_id, worker, items = room_params(request.ec_transfer_params, self.settings.workers)
+            if room_id in self.room_owner or room_id in self.draining or room_id in self.releasing:
+                raise ValueError(f"room {room_id} is already in use by another request")
+            named = {f.identifier for f in request.mm_features}
+            if named != set(items):
+                raise ValueError(f"ec_transfer_params: items name {sorted(items)[:4]} but the request's "
+                                 f"media are {sorted(named)[:4]}")
+        except ValueError as e:
+            self._fail(rid, str(e))
+            return None
+        if all(f.mm_position.offset + f.mm_position.length <= num_computed_tokens for f in request.mm_features):
+            # vLLM's prefix cache already holds every item: the room is not needed.
+            self._cancel(room_id, worker)
+            return None
+        s = self.settings
+        room = Room(rid, room_id, worker, time.monotonic() + s.deadline_s, {}, len(items))
+        try:
+            for f in request.mm_features:
+                same = next((sh for sh in room.shards.values() if sh.item == items[f.identifier]), None)
+                room.shards[f.identifier] = same or self.receiver.alloc(
+                    room_id, items[f.identifier], span=f.mm_position.get_num_embeds(), hidden=s.hidden,
+                    dtype=s.dtype, deepstack_width=s.deepstack_width, worker=worker)
+        except MemoryError as e:
+            self._cancel(room_id, worker)
+            self._fail(rid, f"room {room_id}: the connector's receive buffer is full ({e}); raise buffer_bytes")
+            return None
+        self.rooms[rid] = room
+        self.room_owner[room_id] = rid
+        return room
+
+    def _cancel(self, room: int, worker: str) -> None:
+        """Give a room up that no request holds; its shards are released on the worker's
+        answer (or after deadline_s without one)."""
+        self.receiver.route(room, worker)
+        self.receiver.cancel(room)
+        self.draining[room] = time.monotonic() + self.settings.deadline_s
+
+    def _settle(self, room: Room) -> None:
+        """Mark a room ready, or failed (on its status or its deadline)."""
+        rx = self.receiver
+        if room.room in rx.failed:
+            room.failed = rx.failed[room.room]
+        elif rx.concluded(room.room, room.n_items):
+            room.ready = True
+            for identifier in room.shards:
+                self.ready.setdefault(identifier, set()).add(room.request_id)
+            return
+        elif time.monotonic() > room.deadline:
+            rx.cancel(room.room)
+            room.failed = (f"no status from encode worker {room.worker} for room {room.room} within "
+                           f"{self.settings.deadline_s:g} s (deadline_s)")
+        if room.failed:
+            self._fail(room.request_id, f"room {room.room}: {room.failed}")
+
+    def _fail(self, request_id: str, reason: str) -> None:
+        log.warning("EPDConnector: request %s fails: %s", request_id, reason)
+        self.unavailable[request_id] = reason
+
+    def poll(self) -> None:
+        """Apply the statuses that came; release canceled rooms answered (or given up on)."""
+        self.receiver.poll()
+        now = time.monotonic()
+        for room, until in list(self.draining.items()):
+            answered = room in self.receiver.failed or room in self.receiver.early_failed
+            if answered or now > until:
+                if not answered:
+                    log.warning("EPDConnector: room %d: no answer to its cancel; its buffer is reused", room)
+                self._forget(room)
+                del self.draining[room]
+
+    def _forget(self, room: int) -> None:
+        self.receiver.release(room)
+        self.receiver.failed.pop(room, None)
+        self.receiver.early_failed.pop(room, None)
+
+    def take_unavailable_requests(self) -> set[str]:
+        taken = set(self.unavailable)
+        self.unavailable.clear()
+        return taken
+
+    def has_cache_item(self, identifier: str) -> bool:
+        return bool(self.ready.get(identifier))
+
+    def update_state_after_alloc(self, request, index: int) -> None:
+        identifier = request.mm_features[index].identifier
+        owners = self.ready.get(identifier)
+        if not owners:
+            return
+        rid = request.request_id if request.request_id in owners else next(iter(owners))
+        sh = self.rooms[rid].shards[identifier]
+        self.loads.append(Load(identifier, self.segment.name, sh.offset, sh.ds_offset, sh.n_rows,
+                               sh.hidden, sh.deepstack_width, sh.dtype))
+
+    def build_connector_meta(self, scheduler_output) -> EPDConnectorMetadata:
+        meta = EPDConnectorMetadata(self.loads)
+        self.loads = []
+        self.builds += 1
+        for room, due in list(self.releasing.items()):
+            if self.builds >= due:
+                self._forget(room)
+                del self.releasing[room]
+        return meta
+
+    def request_finished(self, request) -> tuple[bool, dict[str, Any] | None]:
+        self.unavailable.pop(request.request_id, None)
+        room = self.rooms.pop(request.request_id, None)
+        if room is None:
+            return False, None
+        del self.room_owner[room.room]
+        for identifier in room.shards:
+            owners = self.ready.get(identifier)
+            if owners is not None:
+                owners.discard(room.request_id)
+                if not owners:
+                    del self.ready[identifier]
+        if room.ready:
+            # A step already scheduled may still copy these rows (vLLM schedules the next
+            # step while one runs): the buffer is freed two steps on, never under a copy.
+            self.releasing[room.room] = self.builds + 2
+        elif room.room in self.receiver.failed:
+            self._forget(room.room)
+        else:
+            # Aborted, or failed on its deadline: rows may still be written until the
+            # worker answers the cancel.
+            if not room.failed:
+                self.receiver.cancel(room.room)
+            self.draining[room.room] = time.monotonic() + self.settings.deadline_s
+        return False, None
+
+    # ------------------------------------------------------------ worker side
+    def start_load_caches(self, encoder_cache, **kwargs) -> None:
+        meta = self._get_connector_metadata()
+        for load in getattr(meta, "loads", ()):
+            if load.identifier not in encoder_cache:
+                encoder_cache[load.identifier] = self._rows(load)
+
+    def _rows(self, load: Load):
+        import torch
+        from vllm.platforms import current_platform
+
+        seg = self.segments.get(load.segment)
+        if seg is None:
+            seg = self.segments[load.segment] = shm.Segment.attach(load.segment, readonly=True)
+        isz = wire.DTYPES[load.dtype]
+        tdtype = getattr(torch, load.dtype)
+
+        def half(offset: int, width: int):
+            raw = np.frombuffer(seg.buf, dtype=np.uint8, count=load.rows * width * isz, offset=offset)
+            return torch.from_numpy(raw.copy()).view(tdtype).reshape(load.rows, width)
+
+        rows = half(load.offset, load.hidden)
+        if load.deepstack_width:
+            rows = torch.cat([rows, half(load.ds_offset, load.deepstack_width)], dim=1)
+        device = current_platform.device_type
+        if current_platform.is_cuda_alike():
+            device = f"{device}:{current_platform.current_device()}"
+        return rows.to(device=device, dtype=self._vllm_config.model_config.dtype)
+
+    def save_caches(self, encoder_cache, mm_hash, **kwargs) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        for seg in self.segments.values():
+            seg.close()
+        self.segments = {}
+        if self.receiver is not None:
+            for room in list(self.room_owner):
+                self.receiver.cancel(room)
+            self.receiver.close()
+            self.receiver = None
+            self.segment.close()
+            self.segment.unlink()
+            self.lock.release()

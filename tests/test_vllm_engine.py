@@ -1,0 +1,417 @@
+"""vLLM with the encode worker as its encoder: EPDConnector (pipeline/integrations/vllm.py)
+and the proxy (pipeline/integrations/proxy.py) against a real vLLM engine on a tiny
+random-weight Qwen2.5-VL built here (no download).
+
+It runs in .venv-vllm, the environment scripts/setup_vllm.sh builds; tests/test_vllm.py
+runs it there, serially (one engine takes both cores while it starts). In the project's
+own environment vLLM is not importable and this module is skipped: test_vllm.py fails
+instead when .venv-vllm is missing.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="runs in .venv-vllm, driven by tests/test_vllm.py")
+
+import torch  # noqa: E402
+
+from ipc import shm  # noqa: E402
+from pipeline.background import free_port  # noqa: E402
+from pipeline.client import Client, Item, routing_key  # noqa: E402
+from pipeline.integrations import proxy as proxy_mod  # noqa: E402
+from pipeline.integrations.vllm import EPDConnector  # noqa: E402
+from pipeline.testing.sim import expected_sim_rows, image  # noqa: E402
+from pipeline.testing.vllm import build_model, chat, http_status, picture, start_server, stop, wait_ready  # noqa: E402
+from pipeline.testing.workers import sim_config, start_worker, worker_config  # noqa: E402
+from vllm.config import ECTransferConfig  # noqa: E402
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole  # noqa: E402
+from vllm.multimodal.inputs import PlaceholderRange  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = os.environ.get("TEST_SHM_TOKEN", "vllm")
+LOGPROB_TOLERANCE = 0.01  # vLLM's own bfloat16 tower against the worker's float32 rows cast to bfloat16
+
+
+def wait_for(cond, timeout: float, what: str, step=None):
+    end = time.monotonic() + timeout
+    while True:
+        if step is not None:
+            step()
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+# ---------------------------------------------------------------- the connector alone
+def fake_config(bootstrap: str, prefix: str, **extra):
+    ec = ECTransferConfig(ec_connector="EPDConnector", ec_role="ec_consumer", ec_connector_extra_config={
+        "workers": [bootstrap], "buffer_bytes": 4 << 20, "shm_prefix": prefix, "hidden": 64,
+        "deepstack_width": 32, **extra})
+    hf = SimpleNamespace(vision_config=SimpleNamespace(out_hidden_size=64))
+    return SimpleNamespace(ec_transfer_config=ec, model_config=SimpleNamespace(hf_config=hf, dtype=torch.bfloat16))
+
+
+def fake_request(rid: str, room: int, worker: str, uuids: list[str], span: int = 4, offset: int = 3):
+    feats = [SimpleNamespace(identifier=u, modality="image", mm_position=PlaceholderRange(offset + 10 * i, span))
+             for i, u in enumerate(uuids)]
+    return SimpleNamespace(request_id=rid, mm_features=feats,
+                           ec_transfer_params={"room": room, "worker": worker,
+                                               "items": {u: i for i, u in enumerate(dict.fromkeys(uuids))}})
+
+
+@pytest.fixture
+def sim(tmp_path, request):
+    """A sim worker (in process unless the test asks for a mode) and a prefix for the connector's segment."""
+    prefix = f"t{TOKEN}_{os.getpid()}_vsim"
+    w = start_worker(getattr(request, "param", "inprocess"), sim_config(prefix, tmp_path))
+    conn_prefix = f"t{TOKEN}_{os.getpid()}_vrx"
+    yield w, conn_prefix
+    w.close()
+    assert not shm.list_objects(prefix) and not shm.list_objects(conn_prefix)
+
+
+def concluded(w, state: str, reason: str) -> bool:
+    return w.stats()["rooms_concluded"].get((state, reason), 0) > 0
+
+
+@pytest.mark.parametrize("sim", ["inprocess", "pipeline"], indirect=True)
+def test_rows_reach_the_encoder_cache_as_main_then_deepstack(sim):
+    w, prefix = sim
+    cfg = fake_config(w.cfg.bootstrap, prefix)
+    sched = EPDConnector(cfg, ECConnectorRole.SCHEDULER)
+    worker_side = EPDConnector(cfg, ECConnectorRole.WORKER)
+    try:
+        grid, px = image(1)
+        Client(w.cfg.intake, w.cfg.shm_prefix).encode(11, "r11", [Item("image", grid, px)])
+        req = fake_request("a", 11, w.cfg.bootstrap, ["u1"])
+        wait_for(lambda: sched.ensure_cache_available(req, 0), 30, "room 11's rows")
+        assert sched.has_cache_item("u1") and not sched.has_cache_item("u2")
+        sched.update_state_after_alloc(req, 0)
+        worker_side.bind_connector_metadata(sched.build_connector_meta(None))
+        cache: dict = {}
+        worker_side.start_load_caches(cache)
+        main, deep = expected_sim_rows(px, "image", 4, 64, 32, "bfloat16")
+        got = cache["u1"].view(torch.uint16).numpy()
+        assert got.shape == (4, 96) and cache["u1"].dtype == torch.bfloat16
+        assert np.array_equal(got[:, :64], main) and np.array_equal(got[:, 64:], deep)
+        assert sched.request_finished(req) == (False, None)
+        assert not sched.has_cache_item("u1")
+        # A step scheduled before the request finished may still copy its rows: the
+        # buffer is freed two steps on.
+        sched.build_connector_meta(None)
+        assert sched.receiver.shards
+        sched.build_connector_meta(None)
+        assert not sched.receiver.shards
+    finally:
+        worker_side.shutdown()
+        sched.shutdown()
+
+
+def test_the_connector_speaks_curve_to_a_worker_that_requires_it(tmp_path):
+    import zmq.auth
+
+    for name in ("worker", "engine"):
+        zmq.auth.create_certificates(str(tmp_path), name)
+    clients = tmp_path / "clients"
+    clients.mkdir()
+    os.link(tmp_path / "engine.key", clients / "engine.key")
+    prefix, conn_prefix = f"t{TOKEN}_{os.getpid()}_vcw", f"t{TOKEN}_{os.getpid()}_vcx"
+    w = start_worker("inprocess", sim_config(prefix, tmp_path, curve_cert=str(tmp_path / "worker.key_secret"),
+                                             curve_clients=str(clients)))
+    certs = dict(curve_cert=str(tmp_path / "engine.key_secret"), worker_cert=str(tmp_path / "worker.key"))
+    sched = EPDConnector(fake_config(w.cfg.bootstrap, conn_prefix, **certs), ECConnectorRole.SCHEDULER)
+    try:
+        grid, px = image(6)
+        Client(w.cfg.intake, w.cfg.shm_prefix, **certs).encode(17, "r17", [Item("image", grid, px)])
+        req = fake_request("g", 17, w.cfg.bootstrap, ["u7"])
+        wait_for(lambda: sched.ensure_cache_available(req, 0), 30, "room 17's rows over CURVE")
+        sched.request_finished(req)
+    finally:
+        sched.shutdown()
+        w.close()
+    assert not shm.list_objects(prefix) and not shm.list_objects(conn_prefix)
+
+
+def test_a_room_the_worker_fails_makes_the_request_unavailable(sim):
+    w, prefix = sim
+    sched = EPDConnector(fake_config(w.cfg.bootstrap, prefix), ECConnectorRole.SCHEDULER)
+    try:
+        grid, px = image(2)  # 16 patches: 4 rows, where vLLM counts 9
+        Client(w.cfg.intake, w.cfg.shm_prefix).encode(12, "r12", [Item("image", grid, px)])
+        req = fake_request("b", 12, w.cfg.bootstrap, ["u2"], span=9)
+        wait_for(lambda: "b" in sched.unavailable, 30, "room 12's failure",
+                 step=lambda: sched.ensure_cache_available(req, 0))
+        assert "span" in sched.unavailable["b"]
+        assert sched.take_unavailable_requests() == {"b"} and not sched.ensure_cache_available(req, 0)
+        sched.request_finished(req)
+        assert not sched.receiver.shards
+        # Params naming a worker this engine was not given are refused, never followed.
+        bad = fake_request("c", 13, "tcp://10.9.9.9:1", ["u3"])
+        assert not sched.ensure_cache_available(bad, 0) and "not one of" in sched.unavailable["c"]
+    finally:
+        sched.shutdown()
+
+
+def test_aborted_request_and_deadline_cancel_their_rooms(sim):
+    w, prefix = sim
+    sched = EPDConnector(fake_config(w.cfg.bootstrap, prefix, deadline_s=0.5), ECConnectorRole.SCHEDULER)
+    try:
+        # No encode ever comes for these rooms: the worker holds their allocs.
+        aborted = fake_request("d", 14, w.cfg.bootstrap, ["u4"])
+        assert not sched.ensure_cache_available(aborted, 0)
+        sched.request_finished(aborted)  # vLLM aborts it: the connector cancels its room
+        wait_for(lambda: concluded(w, "failed", "canceled"), 30, "the worker to cancel room 14")
+        wait_for(lambda: not sched.draining, 30, "room 14's buffer to be released", step=sched.poll)
+        assert not sched.receiver.shards
+        late = fake_request("e", 15, w.cfg.bootstrap, ["u5"])
+        wait_for(lambda: "e" in sched.unavailable, 30, "room 15's deadline",
+                 step=lambda: sched.ensure_cache_available(late, 0))
+        assert "deadline_s" in sched.unavailable["e"]
+        sched.request_finished(late)
+        wait_for(lambda: not sched.draining and not sched.receiver.shards, 30, "room 15's release",
+                 step=sched.poll)
+        # A request whose media vLLM's prefix cache already covers needs no room.
+        cached = fake_request("f", 16, w.cfg.bootstrap, ["u6"])
+        assert sched.ensure_cache_available(cached, 100) and "f" not in sched.rooms
+    finally:
+        sched.shutdown()
+
+
+def test_a_dead_engines_segment_is_swept_at_start(sim):
+    w, prefix = sim
+    dead = subprocess.run([sys.executable, "-c", (
+        "import os; from ipc import shm\n"
+        f"lock = shm.RunLock({prefix!r}); shm.Segment.create(shm.object_name({prefix!r}, lock.run_id, 'rx'), 4096)\n"
+        "os._exit(0)")], cwd=ROOT, capture_output=True, text=True)
+    assert dead.returncode == 0, dead.stderr
+    left = shm.list_objects(prefix)
+    assert len(left) == 2
+    sched = EPDConnector(fake_config(w.cfg.bootstrap, prefix), ECConnectorRole.SCHEDULER)
+    try:
+        assert not set(left) & set(shm.list_objects(prefix))
+    finally:
+        sched.shutdown()
+
+
+def test_proxy_replaces_each_image_by_its_grid_and_uuid(tmp_path):
+    """Identical images of a request are one item, text and other parts pass unchanged,
+    and only data: URLs are taken."""
+    pre = proxy_mod.Preprocessor(build_model(str(tmp_path / "model")))
+    a, b = picture(1), picture(2, (28, 56))
+    body = {"model": "m", "max_tokens": 3, "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": a}}, {"type": "text", "text": "and"},
+                                     {"type": "image_url", "image_url": {"url": b}},
+                                     {"type": "image_url", "image_url": {"url": a}}]}]}
+    out, items, index = pre.rewrite(body)
+    parts = out["messages"][1]["content"]
+    assert out["messages"][0] == body["messages"][0] and parts[1] == {"type": "text", "text": "and"}
+    assert [p["type"] for p in parts] == ["image_embeds", "text", "image_embeds", "image_embeds"]
+    assert parts[0]["uuid"] == parts[3]["uuid"] != parts[2]["uuid"]
+    assert index == {parts[0]["uuid"]: 0, parts[2]["uuid"]: 1} and len(items) == 2
+    assert [parts[i]["image_embeds"]["image_grid_thw"] for i in (0, 2, 3)] == [[1, 4, 6], [1, 2, 4], [1, 4, 6]]
+    assert items[0].grid_thw == [[1, 4, 6]] and items[1].grid_thw == [[1, 2, 4]]
+    assert items[0].pixels.shape == (24, 1176) and items[1].pixels.shape == (8, 1176)
+    assert body["messages"][1]["content"][0]["type"] == "image_url"  # the caller's body is not changed
+    with pytest.raises(proxy_mod.BadRequest, match="data: URLs"):
+        pre.rewrite({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]})
+
+
+# ---------------------------------------------------------------- a real engine
+class RecordingConnector(EPDConnector):
+    """EPDConnector that also saves what it puts into vLLM's encoder cache (record_dir)."""
+
+    def start_load_caches(self, encoder_cache, **kwargs) -> None:
+        super().start_load_caches(encoder_cache, **kwargs)
+        record = self._vllm_config.ec_transfer_config.ec_connector_extra_config["record_dir"]
+        for load in self._get_connector_metadata().loads:
+            torch.save(encoder_cache[load.identifier].cpu(), os.path.join(record, f"{load.identifier}.pt"))
+
+
+@contextlib.contextmanager
+def engine(kind: str, tmp: Path):
+    """The tiny model of `kind`, a worker with its tower (float32 rows), and vLLM's OpenAI
+    server on the model with the (recording) connector."""
+    model = build_model(str(tmp / "model"), kind=kind)
+    prefix = f"t{TOKEN}_{os.getpid()}_{kind.replace('.', '').replace('-', '')}"
+    cfg = worker_config(f"{prefix}w", tmp, tower=kind, tower_config=model, tower_dtype="float32",
+                        pixel_arena_bytes=64 << 20, embedding_arena_bytes=32 << 20,
+                        arena_cache_bytes=8 << 20, host_cache_bytes=16 << 20)
+    worker = start_worker("inprocess", cfg)
+    record = tmp / "record"
+    record.mkdir()
+    ec = {"ec_connector": "RecordingConnector", "ec_connector_module_path": "test_vllm_engine",
+          "ec_role": "ec_consumer", "ec_connector_extra_config": {
+              "workers": [cfg.bootstrap], "dtype": "float32", "buffer_bytes": 32 << 20,
+              "shm_prefix": f"{prefix}x", "record_dir": str(record)}}
+    log = tmp / "server.log"
+    try:
+        proc, url = start_server(model, ec, str(log), pythonpath=[str(ROOT / "tests")])
+        try:
+            wait_ready(proc, url, str(log))
+            yield SimpleNamespace(kind=kind, model=model, worker=worker, url=url, record=record, log=log)
+        finally:
+            stop(proc)
+    finally:
+        worker.close()
+    # vLLM kills its engine core at shutdown, before the connector's shutdown() can run:
+    # its segment is a dead run's, which the next engine's connector sweeps at start.
+    shm.sweep(f"{prefix}x")
+    assert not shm.list_objects(f"{prefix}x"), "the connector's receive segment is not a dead run's"
+    assert not shm.list_objects(f"{prefix}w")
+
+
+@pytest.fixture(scope="module")
+def qwen25(tmp_path_factory):
+    with engine("qwen2.5-vl", tmp_path_factory.mktemp("qwen25")) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    with engine("qwen3-vl", tmp_path_factory.mktemp("qwen3")) as e:
+        yield e
+
+
+def post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def logprobs(reply: dict) -> np.ndarray:
+    return np.array([t["logprob"] for t in reply["choices"][0]["logprobs"]["content"]])
+
+
+def bf16_step(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bfloat16 numbers at each |x| (8 significant bits)."""
+    return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(2.0 ** -126))) - 7)
+
+
+@pytest.mark.parametrize("name", ["qwen25", "qwen3"])
+def test_vllm_serves_the_workers_rows(name, request):
+    from stages.towers.qwen import Qwen3VLTower, Qwen25VLTower
+
+    e = request.getfixturevalue(name)
+    pre = proxy_mod.Preprocessor(e.model)
+    url = picture(1)
+    item = pre.image(url)
+    uuid = f"{routing_key([item]):016x}"
+    client = Client(e.worker.cfg.intake, e.worker.cfg.shm_prefix)
+    bootstrap = e.worker.cfg.bootstrap
+    status, local = post(e.url, chat(e.model, {"type": "image_url", "image_url": {"url": url}}))
+    assert status == 200, local
+    # Metadata only: vLLM gets no pixels, so the rows can only have come from the worker.
+    client.encode(101, "meta", [item])
+    status, meta = post(e.url, chat(
+        e.model, {"type": "image_embeds", "image_embeds": {"image_grid_thw": item.grid_thw[0]}, "uuid": uuid},
+        ec_transfer_params={"room": 101, "worker": bootstrap, "items": {uuid: 0}}))
+    assert status == 200, meta
+    # The same image with its pixels too, under another identifier: vLLM still loads the worker's rows.
+    client.encode(102, "pixels", [item])
+    status, with_pixels = post(e.url, chat(
+        e.model, {"type": "image_url", "image_url": {"url": url}, "uuid": uuid + "-px"},
+        ec_transfer_params={"room": 102, "worker": bootstrap, "items": {uuid + "-px": 0}}))
+    assert status == 200, with_pixels
+    client.close()
+    assert np.array_equal(logprobs(meta), logprobs(with_pixels))
+    diff = np.abs(logprobs(meta) - logprobs(local)).max()
+    print(f"{e.kind}: max |logprob(worker) - logprob(vLLM's own encoder)| = {diff:.4g}")
+    assert diff <= LOGPROB_TOLERANCE
+    received = torch.load(e.record / f"{uuid}.pt")
+    tower = (Qwen3VLTower if e.kind == "qwen3-vl" else Qwen25VLTower)(checkpoint=e.model, dtype="float32")
+    with torch.inference_mode():
+        main, deep = tower.forward(torch.from_numpy(item.pixels), torch.tensor(item.grid_thw))
+    hf = main if deep is None else torch.cat([main, deep], dim=1)  # [main | deepstack], as vLLM's Qwen3-VL
+    assert received.dtype == torch.bfloat16 and received.shape == hf.shape
+    assert bool((torch.abs(received.float() - hf) <= bf16_step(hf)).all())
+
+
+def test_a_video_is_served_from_the_workers_rows(qwen25):
+    from stages.towers.qwen import Qwen25VLTower
+
+    e = qwen25
+    item = Item("video", [[2, 4, 6]], np.random.default_rng(4).standard_normal((48, 1176), dtype=np.float32))
+    uuid = f"video-{routing_key([item]):016x}"
+    Client(e.worker.cfg.intake, e.worker.cfg.shm_prefix).encode(105, "video", [item])
+    status, reply = post(e.url, chat(
+        e.model, {"type": "video_embeds", "video_embeds": {"video_grid_thw": [2, 4, 6]}, "uuid": uuid},
+        ec_transfer_params={"room": 105, "worker": e.worker.cfg.bootstrap, "items": {uuid: 0}}))
+    assert status == 200, reply
+    received = torch.load(e.record / f"{uuid}.pt")
+    with torch.inference_mode():
+        hf, _ = Qwen25VLTower(checkpoint=e.model, dtype="float32").forward(
+            torch.from_numpy(item.pixels), torch.tensor(item.grid_thw))
+    assert received.shape == hf.shape == (12, 128)
+    assert bool((torch.abs(received.float() - hf) <= bf16_step(hf)).all())
+
+
+def test_a_room_the_worker_fails_is_an_error_at_vllms_client(qwen25):
+    server, qwen_worker, model_dir = qwen25, qwen25.worker, qwen25.model
+    pre = proxy_mod.Preprocessor(model_dir)
+    item = pre.image(picture(2))  # a 4 x 6 grid: 6 rows for vLLM
+    wrong = Item("image", [[1, 4, 4]], item.pixels[:16])  # 4 rows at the worker: the alloc check fails it
+    uuid = f"{routing_key([item]):016x}"
+    Client(qwen_worker.cfg.intake, qwen_worker.cfg.shm_prefix).encode(103, "wrong", [wrong])
+    start = time.monotonic()
+    status, reply = post(server.url, chat(
+        model_dir, {"type": "image_embeds", "image_embeds": {"image_grid_thw": item.grid_thw[0]}, "uuid": uuid},
+        ec_transfer_params={"room": 103, "worker": qwen_worker.cfg.bootstrap, "items": {uuid: 0}}))
+    took = time.monotonic() - start
+    print(f"failed room answered in {took:.3f} s: {status} {reply}")
+    assert status >= 400 or reply["choices"][0]["finish_reason"] == "error", reply
+    assert "span" in server.log.read_text()
+    assert took < 60, "the error came from the connector's deadline, not from the room's failure"
+
+
+def test_an_aborted_request_frees_its_room(qwen25):
+    server, qwen_worker, model_dir = qwen25, qwen25.worker, qwen25.model
+    # No encode comes for room 104: the request waits until its client gives up.
+    body = chat(model_dir, {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 4, 4]}, "uuid": "abort"},
+                ec_transfer_params={"room": 104, "worker": qwen_worker.cfg.bootstrap, "items": {"abort": 0}})
+    with pytest.raises((TimeoutError, urllib.error.URLError, OSError)):
+        post(server.url, body, timeout=2)
+    wait_for(lambda: concluded(qwen_worker, "failed", "canceled"), 60, "the worker to cancel room 104")
+
+
+def test_a_request_through_the_proxy_command(qwen25):
+    server, qwen_worker, model_dir = qwen25, qwen25.worker, qwen25.model
+    port = free_port()
+    w = qwen_worker.cfg
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "proxy", "--model", model_dir,
+                             "--vllm", server.url, "--listen", f"127.0.0.1:{port}",
+                             "--worker", f"{w.intake},{w.bootstrap},{w.shm_prefix}"],
+                            cwd=ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    try:
+        front = f"http://127.0.0.1:{port}"
+        wait_for(lambda: proc.poll() is not None or http_status(front + "/v1/models") == 200, 60, "the proxy")
+        url = picture(3)
+        status, via_proxy = post(front, chat(model_dir, {"type": "image_url", "image_url": {"url": url}}))
+        assert status == 200, via_proxy
+        status, local = post(server.url, chat(model_dir, {"type": "image_url", "image_url": {"url": url}}))
+        assert status == 200, local
+        assert np.abs(logprobs(via_proxy) - logprobs(local)).max() <= LOGPROB_TOLERANCE
+        status, bad = post(front, chat(model_dir, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}))
+        assert status == 400 and "data: URL" in bad["error"]["message"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
