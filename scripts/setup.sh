@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sets up a virtual environment in .venv with everything the worker and its tests need.
+# Sets up a virtual environment in .venv with everything the worker and its tests need;
+# with --engines, also the tokenspeed and vLLM environments (.venv-tokenspeed, .venv-vllm).
 # Safe to run again: it skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,4 +50,11 @@ if [ ! -e "$stamp" ]; then
   .venv/bin/python -m pip install -q -e ".[$mooncake,tower,tokenspeed,test]"
   rm -f .venv/.installed-*
   touch "$stamp"
+fi
+
+# --engines: also the environments of the serving engines the tests run against
+# (tokenspeed's prefill side, vLLM's CPU build), each apart from .venv.
+if [ "${1:-}" = "--engines" ]; then
+  scripts/setup_tokenspeed.sh
+  scripts/setup_vllm.sh
 fi
