@@ -188,7 +188,40 @@ def test_aborted_request_and_deadline_cancel_their_rooms(sim):
         # A request whose media vLLM's prefix cache already covers needs no room.
         cached = fake_request("f", 16, w.cfg.bootstrap, ["u6"])
         assert sched.ensure_cache_available(cached, 100) and "f" not in sched.rooms
+        assert sched.ensure_cache_available(cached, 100), "asked again, the request must not fail"
     finally:
+        sched.shutdown()
+
+
+def test_a_hit_in_vllms_encoder_cache_cancels_the_room(sim):
+    w, prefix = sim
+    sched = EPDConnector(fake_config(w.cfg.bootstrap, prefix), ECConnectorRole.SCHEDULER)
+    vllm_cache = {"u7": set(), "u8": set()}  # vLLM's encoder cache manager's `cached`
+    sched.scheduler = SimpleNamespace(encoder_cache_manager=SimpleNamespace(cached=vllm_cache))
+    client = Client(w.cfg.intake, w.cfg.shm_prefix)
+    try:
+        client.encode(18, "r18", [Item("image", *image(7))])
+        hit = fake_request("g", 18, w.cfg.bootstrap, ["u7"])
+        # vLLM holds u7: the request goes ahead at once, and no alloc is sent.
+        assert sched.ensure_cache_available(hit, 0) and not sched.receiver.shards
+        # Its placeholders computed from vLLM's own cache, the room is canceled.
+        assert sched.ensure_cache_available(hit, 100)
+        wait_for(lambda: concluded(w, "failed", "canceled"), 30, "the worker to cancel room 18")
+        assert sched.ensure_cache_available(hit, 100) and not sched.receiver.shards
+        sched.request_finished(hit)
+        # vLLM evicts u8 before it schedules the request: its room is allocated after all.
+        client.encode(19, "r19", [Item("image", *image(8))])
+        evicted = fake_request("h", 19, w.cfg.bootstrap, ["u8"])
+        assert sched.ensure_cache_available(evicted, 0) and not sched.receiver.shards
+        del vllm_cache["u8"]
+        wait_for(lambda: sched.ensure_cache_available(evicted, 0), 30, "room 19's rows")
+        assert sched.has_cache_item("u8")
+        sched.request_finished(evicted)
+        sched.build_connector_meta(None)
+        sched.build_connector_meta(None)
+        wait_for(lambda: not sched.draining and not sched.receiver.shards, 30, "the rooms' release", step=sched.poll)
+    finally:
+        client.close()
         sched.shutdown()
 
 
@@ -391,6 +424,26 @@ def test_an_aborted_request_frees_its_room(qwen25):
     with pytest.raises((TimeoutError, urllib.error.URLError, OSError)):
         post(server.url, body, timeout=2)
     wait_for(lambda: concluded(qwen_worker, "failed", "canceled"), 60, "the worker to cancel room 104")
+
+
+def test_a_hit_in_vllms_encoder_cache_cancels_the_room_at_the_worker(qwen25):
+    e = qwen25
+    item = proxy_mod.Preprocessor(e.model).image(picture(4))
+    uuid = f"{routing_key([item]):016x}"
+    part = {"type": "image_embeds", "image_embeds": {"image_grid_thw": item.grid_thw[0]}, "uuid": uuid}
+    client = Client(e.worker.cfg.intake, e.worker.cfg.shm_prefix)
+    canceled = e.worker.stats()["rooms_concluded"].get(("failed", "canceled"), 0)
+    for room, system in ((106, "Look."), (107, "Look again.")):
+        # Another system prompt: vLLM's prefix cache misses the image, its encoder cache holds it.
+        client.encode(room, f"again{room}", [item])
+        body = chat(e.model, part, ec_transfer_params={"room": room, "worker": e.worker.cfg.bootstrap,
+                                                       "items": {uuid: 0}})
+        body["messages"].insert(0, {"role": "system", "content": system})
+        status, reply = post(e.url, body)
+        assert status == 200, reply
+    client.close()
+    wait_for(lambda: e.worker.stats()["rooms_concluded"].get(("failed", "canceled"), 0) > canceled, 30,
+             "the worker to cancel room 107")
 
 
 def test_a_request_through_the_proxy_command(qwen25):

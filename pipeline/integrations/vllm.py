@@ -21,6 +21,7 @@ runner): copies each item's rows out of that segment into vLLM's encoder cache,
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import socket
@@ -132,6 +133,28 @@ def room_params(params: Any, workers: tuple[str, ...]) -> tuple[int, str, dict[s
     return room, worker, items
 
 
+def needed(request, num_computed_tokens: int) -> list:
+    """The request's media whose placeholders vLLM has not computed yet."""
+    return [f for f in request.mm_features if f.mm_position.offset + f.mm_position.length > num_computed_tokens]
+
+
+def building_scheduler() -> Any:
+    """The vLLM scheduler whose constructor is building this connector, or None.
+
+    vLLM tells a connector of the encoder-cache entries it allocates and frees, but not
+    of a hit in its own encoder cache, and an entry it evicts is reported only after the
+    step; so the connector reads vLLM's encoder cache manager itself, from the scheduler
+    that builds it (vllm/v1/core/sched/scheduler.py:200-204, which sets `ec_connector`
+    just before)."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if owner is not None and not isinstance(owner, ECConnectorBase) and hasattr(owner, "ec_connector"):
+            return owner
+        frame = frame.f_back
+    return None
+
+
 class EPDConnector(ECConnectorBase):
     """vLLM's EC connector (consumer) over the encode worker's protocol."""
 
@@ -144,6 +167,7 @@ class EPDConnector(ECConnectorBase):
         self.segments: dict[str, shm.Segment] = {}  # worker side: receive segments mapped
         self.receiver: Receiver | None = None
         if role == ECConnectorRole.SCHEDULER:
+            self.scheduler = building_scheduler()
             self._start_scheduler_side()
 
     # ------------------------------------------------------------ scheduler side
@@ -160,6 +184,9 @@ class EPDConnector(ECConnectorBase):
                                  list(s.workers), buffer=buffer, hostname=s.hostname,
                                  curve_cert=s.curve_cert, worker_cert=s.worker_cert)
         self.rooms: dict[str, Room] = {}          # request id -> its room
+        # request id -> (room, worker, items) not allocated: vLLM's encoder cache holds its items
+        self.deferred: dict[str, tuple[int, str, dict[str, int]]] = {}
+        self.released: set[str] = set()           # request ids whose room was canceled unneeded
         self.room_owner: dict[int, str] = {}      # room -> request id
         self.ready: dict[str, set[str]] = {}      # identifier -> request ids whose rows for it are here
         self.unavailable: dict[str, str] = {}     # request id -> why its rows will not come
@@ -170,37 +197,63 @@ class EPDConnector(ECConnectorBase):
 
     def ensure_cache_available(self, request, num_computed_tokens: int) -> bool:
         self.poll()
-        room = self.rooms.get(request.request_id)
+        rid = request.request_id
+        room = self.rooms.get(rid)
         if room is None:
-            if request.request_id in self.unavailable:
+            if rid in self.unavailable:
                 return False
             if not request.ec_transfer_params:
                 return True  # not ours: vLLM encodes it
+            if rid in self.released:
+                return self._covered(request, num_computed_tokens)
             room = self._open(request, num_computed_tokens)
             if room is None:
-                return request.request_id not in self.unavailable
+                return rid not in self.unavailable
         if not room.ready and not room.failed:
             self._settle(room)
         return room.ready
 
+    def _covered(self, request, num_computed_tokens: int) -> bool:
+        """Whether vLLM still needs none of the rows of a request whose room was canceled
+        (a preempted request recomputes its prompt, and vLLM may have evicted an item)."""
+        cached = self.vllm_encoder_cache()
+        if all(f.identifier in cached for f in needed(request, num_computed_tokens)):
+            return True
+        self._fail(request.request_id, "vLLM needs an item's rows again (the request was preempted and the "
+                                        "item left vLLM's caches) after the room was canceled as unneeded")
+        return False
+
+    def vllm_encoder_cache(self):
+        """The identifiers in vLLM's encoder cache now (read where vLLM schedules the
+        request next, so that nothing evicts one in between)."""
+        manager = getattr(self.scheduler, "encoder_cache_manager", None)
+        return manager.cached if manager is not None else ()
+
     def _open(self, request, num_computed_tokens: int) -> Room | None:
-        """Allocate a request's room; None when its rows are not needed or it failed."""
+        """Allocate a request's room; None when its rows are not needed (now or, while
+        vLLM's encoder cache holds its items, yet) or it failed."""
         rid = request.request_id
         try:
-            room_id, worker, items = room_params(request.ec_transfer_params, self.settings.workers)
-            if room_id in self.room_owner or room_id in self.draining or room_id in self.releasing:
-                raise ValueError(f"room {room_id} is already in use by another request")
-            named = {f.identifier for f in request.mm_features}
-            if named != set(items):
-                raise ValueError(f"ec_transfer_params: items name {sorted(items)[:4]} but the request's "
-                                 f"media are {sorted(named)[:4]}")
+            room_id, worker, items = self.deferred.get(rid) or self._params(request)
         except ValueError as e:
             self._fail(rid, str(e))
             return None
-        if all(f.mm_position.offset + f.mm_position.length <= num_computed_tokens for f in request.mm_features):
-            # vLLM's prefix cache already holds every item: the room is not needed.
+        items_needed = needed(request, num_computed_tokens)
+        if not items_needed:
+            # vLLM's prefix cache holds every item, or vLLM computed them from its own
+            # encoder cache: the room is not needed.
+            self.deferred.pop(rid, None)
+            self.released.add(rid)
             self._cancel(room_id, worker)
             return None
+        cached = self.vllm_encoder_cache()
+        if all(f.identifier in cached for f in items_needed):
+            # vLLM takes these from its own encoder cache; the room waits unallocated
+            # until vLLM has computed them (then it is canceled), or allocates should
+            # vLLM evict one first.
+            self.deferred[rid] = (room_id, worker, items)
+            return None
+        self.deferred.pop(rid, None)
         s = self.settings
         room = Room(rid, room_id, worker, time.monotonic() + s.deadline_s, {}, len(items))
         try:
@@ -217,12 +270,28 @@ class EPDConnector(ECConnectorBase):
         self.room_owner[room_id] = rid
         return room
 
+    def _params(self, request) -> tuple[int, str, dict[str, int]]:
+        """A new request's room, worker and items, checked (ValueError with the reason)."""
+        room_id, worker, items = room_params(request.ec_transfer_params, self.settings.workers)
+        if (room_id in self.room_owner or room_id in self.draining or room_id in self.releasing
+                or any(room_id == held[0] for held in self.deferred.values())):
+            raise ValueError(f"room {room_id} is already in use by another request")
+        named = {f.identifier for f in request.mm_features}
+        if named != set(items):
+            raise ValueError(f"ec_transfer_params: items name {sorted(items)[:4]} but the request's "
+                             f"media are {sorted(named)[:4]}")
+        return room_id, worker, items
+
     def _cancel(self, room: int, worker: str) -> None:
         """Give a room up that no request holds; its shards are released on the worker's
-        answer (or after deadline_s without one)."""
+        answer (or after deadline_s without one). A room never allocated has nothing to
+        wait for: the worker answers only a room's receivers."""
         self.receiver.route(room, worker)
         self.receiver.cancel(room)
-        self.draining[room] = time.monotonic() + self.settings.deadline_s
+        if any(key[0] == room for key in self.receiver.shards):
+            self.draining[room] = time.monotonic() + self.settings.deadline_s
+        else:
+            self._forget(room)
 
     def _settle(self, room: Room) -> None:
         """Mark a room ready, or failed (on its status or its deadline)."""
@@ -292,6 +361,10 @@ class EPDConnector(ECConnectorBase):
 
     def request_finished(self, request) -> tuple[bool, dict[str, Any] | None]:
         self.unavailable.pop(request.request_id, None)
+        self.released.discard(request.request_id)
+        held = self.deferred.pop(request.request_id, None)
+        if held is not None:
+            self._cancel(held[0], held[1])
         room = self.rooms.pop(request.request_id, None)
         if room is None:
             return False, None
@@ -355,6 +428,8 @@ class EPDConnector(ECConnectorBase):
         if self.receiver is not None:
             for room in list(self.room_owner):
                 self.receiver.cancel(room)
+            for room, worker, _ in self.deferred.values():
+                self._cancel(room, worker)
             self.receiver.close()
             self.receiver = None
             self.segment.close()
