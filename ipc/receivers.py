@@ -5,7 +5,10 @@ and a restarted reaper read them back, even when both died together.
 
 One writer (the sender), any number of readers, no lock. Each slot holds one
 registration (receiver id, session, status endpoint: UTF-8, each at most
-``MAX_ID_CHARS`` characters) and a generation number, 0 while the slot is free. A
+``MAX_ID_CHARS`` characters; and the CurveZMQ public key the receiver registered
+under, empty without CURVE: the id stays bound to that key for as long as the
+registration lives, even across a sender's restart) and a generation number, 0 while
+the slot is free. A
 registration is written into a *free* slot, body first, and published by one
 aligned 8-byte store of a generation higher than any before; only then is the slot
 of the registration it replaces (a receiver registering again) freed. So:
@@ -39,11 +42,12 @@ from . import shm
 from .shared_table import SlotTable
 from .wire import MAX_ID_CHARS, Register
 
-__all__ = ["MAX_RECEIVERS", "ReceiverTable", "TableFull", "registration_row"]
+__all__ = ["KEY_CHARS", "MAX_RECEIVERS", "ReceiverTable", "TableFull", "registration_row"]
 
 MAX_RECEIVERS = 4096  # prefill ranks one worker serves: a deployment has far fewer
 _FIELD = 4 * MAX_ID_CHARS  # UTF-8 bytes of a field at most
-_ROW = struct.Struct(f"<IHHH{_FIELD}s{_FIELD}s{_FIELD}s")  # crc32, lengths, receiver, session, status
+KEY_CHARS = 40  # a CurveZMQ public key in Z85
+_ROW = struct.Struct(f"<IHHH{_FIELD}s{_FIELD}s{_FIELD}s{KEY_CHARS}s")  # crc32, lengths, receiver, session, status, key
 _SLOT = (_ROW.size + 63) // 64 * 64
 _READ_SPINS = 64
 _INCARNATION = "\0"  # between a session and its incarnation; a session holds no NUL
@@ -60,17 +64,19 @@ def _crc(gen: int, body) -> int:
     return zlib.crc32(body, zlib.crc32(gen.to_bytes(8, "little")))
 
 
-def registration_row(gen: int, receiver: str, session: str, status: str) -> bytes:
+def registration_row(gen: int, receiver: str, session: str, status: str, key: str = "") -> bytes:
     """The row that registers ``receiver`` under generation ``gen``: checksum first."""
     fields = [s.encode() for s in (receiver, session, status)]
     if any(len(f) > _FIELD for f in fields):
         raise ValueError(f"a registration field is longer than {MAX_ID_CHARS} characters")
-    body = _ROW.pack(0, *(len(f) for f in fields), *fields)[4:]
+    if key and (len(key) != KEY_CHARS or not key.isascii()):
+        raise ValueError(f"a receiver's key is {KEY_CHARS} Z85 characters, got {key!r}")
+    body = _ROW.pack(0, *(len(f) for f in fields), *fields, key.encode())[4:]
     return _crc(gen, body).to_bytes(4, "little") + body
 
 
 class ReceiverTable(SlotTable):
-    MAGIC = 0x7278_6365_7200_0002  # "recvr", layout 2
+    MAGIC = 0x7278_6365_7200_0003  # "recvr", layout 3
     KIND = "receiver table"
     SLOT_BYTES = _SLOT
     CAPACITY = (2, 2**16)
@@ -92,8 +98,8 @@ class ReceiverTable(SlotTable):
         self._stale: list[int] = []
         self._next_gen = 1
 
-    def load(self) -> dict[str, tuple[str, str]]:
-        """Every registration: receiver -> (session, status endpoint). A writer calls it
+    def load(self) -> dict[str, tuple[str, str, str]]:
+        """Every registration: receiver -> (session, status endpoint, key). A writer calls it
         first: it frees what a predecessor killed mid-replacement left twice, and rows
         whose checksum does not agree."""
         newest: dict[str, tuple[int, int, tuple[str, str]]] = {}
@@ -118,7 +124,7 @@ class ReceiverTable(SlotTable):
         return {r: reg for r, (_, _, reg) in newest.items()}
 
     def _read(self, slot: int):
-        """(generation, receiver, (session, status)) of a published slot; None if free."""
+        """(generation, receiver, (session, status, key)) of a published slot; None if free."""
         off = self.slots_at + slot * _SLOT
         for _ in range(_READ_SPINS):
             gen = self._genv[slot]
@@ -126,25 +132,27 @@ class ReceiverTable(SlotTable):
                 return None
             raw = self.buf[off:off + _ROW.size].tobytes()
             if self._genv[slot] == gen and _crc(gen, memoryview(raw)[4:]) == int.from_bytes(raw[:4], "little"):
-                _, n_rx, n_sess, n_st, rx, sess, st = _ROW.unpack(raw)
-                return gen, rx[:n_rx].decode(), (sess[:n_sess].decode(), st[:n_st].decode())
+                _, n_rx, n_sess, n_st, rx, sess, st, key = _ROW.unpack(raw)
+                return gen, rx[:n_rx].decode(), (sess[:n_sess].decode(), st[:n_st].decode(),
+                                                 key.rstrip(b"\0").decode())
         return None  # reused under us again and again, or damaged: not there, as far as this read knows
 
     def registrations(self) -> dict[str, Register]:
-        """Every registration as the `register` that made it (incarnation included)."""
+        """Every registration as the `register` that made it (incarnation and key included)."""
         out = {}
-        for receiver, (stored, status) in self.load().items():
+        for receiver, (stored, status, key) in self.load().items():
             session, _, number = stored.partition(_INCARNATION)
-            out[receiver] = Register(receiver, session, status, int(number) if number else None)
+            out[receiver] = Register(receiver, session, status, int(number) if number else None, key)
         return out
 
-    def put(self, receiver: str, session: str, status: str, incarnation: int | None = None) -> None:
+    def put(self, receiver: str, session: str, status: str, incarnation: int | None = None,
+            key: str = "") -> None:
         """Record (or replace) a registration; TableFull when no slot is free. Writer only."""
         if self._slot_of is None:
             self.load()
         if incarnation is not None:  # (protocol 1.1) kept in the session's field, after a NUL
             session = f"{session}{_INCARNATION}{incarnation}"
-        new = registration_row(self._next_gen, receiver, session, status)
+        new = registration_row(self._next_gen, receiver, session, status, key)
         old = self._slot_of.get(receiver)
         for slot in self._stale:
             self._genv[slot] = 0

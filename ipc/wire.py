@@ -211,12 +211,26 @@ def check_item_against_tower(i: int, item: EncodeItem, patch_dim: int, merge: in
 # ---------------------------------------------------------------- bootstrap
 
 
+@dataclass(frozen=True)
+class KeyedFrame:
+    """A frame from a CurveZMQ socket, with the public key (Z85) its peer authenticated
+    with: the worker binds a receiver id to the key that registered it."""
+    data: bytes
+    key: str
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
 @dataclass
 class Register:
     receiver: str
     session: str
     status: str
     incarnation: int | None = None  # (1.1) a receiver restarted on the same session registers a new one
+    # Not on the wire: the CurveZMQ public key the register came under ('' without CURVE),
+    # set by the worker; the id is the key's while the registration lives.
+    key: str = ""
 
     @functools.cached_property
     def session_hash(self) -> int:

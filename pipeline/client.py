@@ -10,6 +10,7 @@ import zmq
 
 from ipc import shm
 from ipc import wire
+from pipeline import curve
 from pipeline.routing import HashRing
 from ipc.wire import content_hash
 
@@ -41,13 +42,21 @@ class Client:
     Pixels travel in a POSIX shared-memory segment under the worker's prefix (the
     worker reads it and unlinks it), or inline in the message with ``inline=True``
     (always, when ``shm_prefix`` is None: a worker on another host).
+
+    With a worker that uses CurveZMQ: ``curve_cert``, this gateway's secret certificate
+    (a zmq.auth ``.key_secret`` file whose public half is in the worker's curve_clients),
+    and ``worker_cert``, the worker's public certificate.
     """
 
-    def __init__(self, intake: str, shm_prefix: str | None, ctx: zmq.Context | None = None):
+    def __init__(self, intake: str, shm_prefix: str | None, ctx: zmq.Context | None = None, *,
+                 curve_cert: str | None = None, worker_cert: str | None = None):
         self.shm_prefix = shm.check_prefix(shm_prefix) if shm_prefix is not None else None
+        keys = curve.peer_keys(curve_cert, worker_cert)
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 5000)
+        if keys is not None:
+            curve.connect_as(self.sock, *keys)
         self.sock.connect(intake)
         self._names = itertools.count()
 
@@ -143,8 +152,10 @@ class RoutedClient:
     (`Receiver.alloc(..., worker=bootstrap)`). Call `forget(room)` once the room
     has concluded."""
 
-    def __init__(self, workers: list[WorkerAddress], *, vnodes: int = 256, ctx: zmq.Context | None = None):
+    def __init__(self, workers: list[WorkerAddress], *, vnodes: int = 256, ctx: zmq.Context | None = None,
+                 curve_cert: str | None = None, worker_cert: str | None = None):
         self.ctx = ctx or zmq.Context.instance()
+        self.certs = dict(curve_cert=curve_cert, worker_cert=worker_cert)  # every worker's: one certificate
         self.ring = HashRing(vnodes=vnodes)
         self.clients: dict[str, Client] = {}
         self.rooms: dict[int, str] = {}  # room -> bootstrap of its worker
@@ -153,7 +164,7 @@ class RoutedClient:
 
     def add(self, worker: WorkerAddress) -> None:
         self.ring.add(worker.bootstrap)
-        self.clients[worker.bootstrap] = Client(worker.intake, worker.shm_prefix, self.ctx)
+        self.clients[worker.bootstrap] = Client(worker.intake, worker.shm_prefix, self.ctx, **self.certs)
 
     def remove(self, bootstrap: str) -> None:
         """Take a worker off the ring: only the keys it owned move to others."""

@@ -176,6 +176,18 @@ class WorkerConfig:
         """The configuration tower replica `replica` builds its tower from: its own GPU."""
         return dataclasses.replace(self, gpu=self.gpu_list()[replica])
 
+    def _check_curve(self) -> None:
+        if bool(self.curve_cert) != bool(self.curve_clients):
+            raise ConfigError("curve_cert and curve_clients go together: set both for CurveZMQ, or neither",
+                              "curve_cert" if not self.curve_cert else "curve_clients")
+        if self.curve_cert:
+            from pipeline.curve import ServerKeys  # zmq.auth: only where CURVE is asked for
+
+            try:
+                ServerKeys.load(self.curve_cert, self.curve_clients)
+            except ValueError as e:
+                raise ConfigError(str(e), "curve_cert") from None
+
     def validate(self) -> "WorkerConfig":
         try:
             shm.check_prefix(self.shm_prefix)
@@ -237,9 +249,7 @@ class WorkerConfig:
             raise ConfigError(f"intake must be an ipc:// or tcp:// endpoint, got {self.intake!r}", "intake")
         if not self.bootstrap.startswith("tcp://"):
             raise ConfigError(f"bootstrap must be a tcp:// endpoint, got {self.bootstrap!r}", "bootstrap")
-        if bool(self.curve_cert) != bool(self.curve_clients):
-            raise ConfigError("curve_cert and curve_clients go together: set both for CurveZMQ, or neither",
-                              "curve_cert" if not self.curve_cert else "curve_clients")
+        self._check_curve()
         for name in ("intake", "bootstrap"):
             problem = exposure_problem(getattr(self, name), name, bool(self.curve_cert),
                                        self.allow_insecure_network)

@@ -43,7 +43,7 @@ class InProcessWorker:
             for name in registry.stage_names(self.cfg.tower_replicas):
                 self.stages[name] = self.env.build(name, self.channel.emitter(name), None)
             self.spec = self.env.spec
-            self.loop = Loop(list(self.stages.values()), self.channel, self.env.zmq_context)
+            self.loop = Loop(list(self.stages.values()), self.channel, self.env.zmq_context, self.env.curve)
             for stage in self.stages.values():
                 stage.start()
                 self.loop.settle(stage)

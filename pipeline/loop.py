@@ -32,7 +32,8 @@ import zmq
 
 from ipc.ring import Ring, wait_any
 from ipc.transport import Engine
-from pipeline import wiring
+from ipc import wire
+from pipeline import curve, wiring
 from stages import registry
 from stages.base import Stage
 from stages.records import UNHURRIED
@@ -59,6 +60,7 @@ class Env:
         self._towers = {} if tower is None else {0: tower}
         self._engine = None
         self._ctx = None
+        self._curve = None
 
     def tower(self, replica: int):
         """Tower replica `replica`'s tower, on its own GPU."""
@@ -83,6 +85,18 @@ class Env:
         return self._engine
 
     @property
+    def curve(self) -> curve.ServerKeys | None:
+        """The worker's CurveZMQ key pair and the public keys it admits, when configured."""
+        if self._curve is None and self.cfg.curve_cert:
+            self._curve = curve.ServerKeys.load(self.cfg.curve_cert, self.cfg.curve_clients)
+        return self._curve
+
+    @property
+    def curve_keypair(self) -> curve.KeyPair | None:
+        """The worker's own CurveZMQ key pair (for the status sockets it connects), or None."""
+        return self.curve.own if self.curve is not None else None
+
+    @property
     def zmq_context(self) -> zmq.Context:
         if self._ctx is None:
             self._ctx = zmq.Context()
@@ -100,6 +114,7 @@ class Env:
             self._engine.close()
             self._engine = None
         if self._ctx is not None:
+            curve.stop(self._ctx)  # its ZAP handler's socket, which term() would wait for
             self._ctx.term()
             self._ctx = None
 
@@ -245,10 +260,12 @@ class Loop:
     A stage that reads both rings and a socket has the socket read by a thread of its
     own, which rings the bell: the loop sleeps on the rings' doorbell alone."""
 
-    def __init__(self, stages: list[Stage], channel, ctx: zmq.Context):
+    def __init__(self, stages: list[Stage], channel, ctx: zmq.Context, curve_keys: curve.ServerKeys | None = None):
         self.stages = stages
         self.channel = channel
         self.sockets: list[tuple[Stage, zmq.Socket]] = []
+        # With CurveZMQ each frame goes to its stage with the key its peer authenticated with.
+        self.keyed = curve_keys is not None
         self.frames: dict[Stage, FrameQueue] = {}  # frames read by a thread, per stage
         self.closing: set[Stage] = set()  # stages that read their socket until it is empty, then pause
         self.paused: set[Stage] = set()   # stages whose socket is left unread (after a drain began)
@@ -261,7 +278,7 @@ class Loop:
                 if sock is None:
                     continue
                 endpoint, max_frame = sock
-                self.sockets.append((stage, wiring.bind_pull(ctx, endpoint, max_frame)))
+                self.sockets.append((stage, wiring.bind_pull(ctx, endpoint, max_frame, curve_keys)))
             if channel.has_rings:
                 for stage, sock in self.sockets:
                     _, max_frame = stage.socket()
@@ -280,12 +297,18 @@ class Loop:
                 if not frames.wait_for_room(0.1) or not sock.poll(100):
                     continue
                 while not frames.full():
-                    frames.put(sock.recv(zmq.NOBLOCK))
+                    frames.put(self._recv(sock))
                 self.channel.bell.release()
             except zmq.Again:
                 self.channel.bell.release()
             except zmq.ZMQError:
                 return
+
+    def _recv(self, sock: zmq.Socket) -> bytes | wire.KeyedFrame:
+        if not self.keyed:
+            return sock.recv(zmq.NOBLOCK)
+        frame = sock.recv(zmq.NOBLOCK, copy=False)
+        return wire.KeyedFrame(frame.bytes, curve.peer_key(frame))
 
     # ------------------------------------------------------------ one round
     def step(self, max_wait: float) -> bool:
@@ -322,7 +345,7 @@ class Loop:
             if stage in self.paused or not stage.takes_frames():
                 break  # they wait, in the socket or in the reader's queue
             try:
-                frame = frames.get_nowait() if frames is not None else sock.recv(zmq.NOBLOCK)
+                frame = frames.get_nowait() if frames is not None else self._recv(sock)
             except (queue.Empty, zmq.Again):
                 if stage in self.closing:
                     self.closing.discard(stage)

@@ -15,6 +15,7 @@ import zmq
 
 from ipc import wire
 from ipc.transport import Engine
+from pipeline import curve
 
 MAX_EARLY_FAILED = 65536  # failed statuses kept for rooms not allocated here (yet)
 
@@ -37,14 +38,21 @@ class Shard:
 
 class Receiver:
     """`bootstrap`: one worker's bootstrap endpoint, or a list of several; `alloc`
-    then names the room's worker (`worker=`), or `route(room, worker)` does first."""
+    then names the room's worker (`worker=`), or `route(room, worker)` does first.
+
+    With workers that use CurveZMQ: `curve_cert`, this receiver's secret certificate
+    (its public half in the workers' curve_clients), and `worker_cert`, the workers'
+    public certificate. The receiver registers under its key, and its status socket is
+    then a CURVE server with the same key that admits the worker's key alone."""
 
     def __init__(self, receiver_id: str, bootstrap: str | list[str], *, buffer_bytes: int = 256 << 20,
                  hostname: str = "127.0.0.1", protocol_name: str = "tcp",
                  status_endpoint: str | None = None, ctx: zmq.Context | None = None,
                  register_every_s: float = 60.0, query_after_s: float | None = 30.0,
-                 incarnation: int | None = None):
+                 incarnation: int | None = None, curve_cert: str | None = None,
+                 worker_cert: str | None = None):
         self.id = receiver_id
+        self.curve_keys = curve.peer_keys(curve_cert, worker_cert)
         # (protocol 1.1) This process among those that ran under this id and session: allocs
         # a predecessor sent are then never written into this one's memory.
         self.incarnation = time.time_ns() if incarnation is None else incarnation
@@ -71,12 +79,17 @@ class Receiver:
         self.address = self.buffer.ctypes.data
         self.engine.register(self.address, buffer_bytes)
         self._free = [(0, buffer_bytes)]  # (offset, length), sorted
-        self.ctx = ctx or zmq.Context.instance()
+        # With CURVE a context of its own: its ZAP handler is stopped with it, at close.
+        self.own_ctx = zmq.Context() if ctx is None and self.curve_keys is not None else None
+        self.ctx = ctx or self.own_ctx or zmq.Context.instance()
         self.workers: dict[str, zmq.Socket] = {}  # bootstrap endpoint -> socket to it
         self.room_worker: dict[int, str] = {}     # room -> the bootstrap endpoint of its worker
         self.status_sock = self.ctx.socket(zmq.PULL)
         self.status_sock.setsockopt(zmq.LINGER, 0)
         self.status_sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # a status is tiny; a peer sending more is cut off
+        if self.curve_keys is not None:
+            own, worker = self.curve_keys
+            curve.serve(self.status_sock, curve.ServerKeys(own, frozenset([worker])))
         if status_endpoint is None:
             port = self.status_sock.bind_to_random_port(f"tcp://{hostname}")
             status_endpoint = f"tcp://{hostname}:{port}"
@@ -102,6 +115,8 @@ class Receiver:
             raise ValueError(f"receiver {self.id}: worker {bootstrap} is already added")
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 2000)
+        if self.curve_keys is not None:
+            curve.connect_as(sock, *self.curve_keys)
         sock.connect(bootstrap)
         self.workers[bootstrap] = sock
         self._register_with(bootstrap)
@@ -348,4 +363,7 @@ class Receiver:
         for sock in self.workers.values():
             sock.close()
         self.status_sock.close()
+        if self.own_ctx is not None:
+            curve.stop(self.own_ctx)
+            self.own_ctx.term()
         self.engine.close()

@@ -96,7 +96,7 @@ class StageHost:
             self.bell, self._beat)
         self.custody = TableCustody(shared.rooms, registry.owner_of(name))
         self.stage = self.env.build(name, self.channel.emitter(name), self.custody)
-        self.loop = Loop([self.stage], self.channel, self.env.zmq_context)
+        self.loop = Loop([self.stage], self.channel, self.env.zmq_context, self.env.curve)
         self.stage.start()  # picks up what a predecessor left
         self.loop.settle(self.stage)
         self.row[Heartbeats.READY] = 1.0

@@ -89,8 +89,9 @@ class Shared:
 SOCKET_QUEUE_FRAMES = 4
 
 
-def bind_pull(ctx, endpoint: str, max_frame: int):
-    """The worker's PULL socket at `endpoint` (intake or bootstrap).
+def bind_pull(ctx, endpoint: str, max_frame: int, curve_keys=None):
+    """The worker's PULL socket at `endpoint` (intake or bootstrap); a CurveZMQ server
+    that admits only `curve_keys.allowed` when they are given (pipeline/curve.py).
 
     A frame over `max_frame` bytes makes ZeroMQ drop it and the peer's connection
     before it is buffered; at most SOCKET_QUEUE_FRAMES frames per peer wait in it, so
@@ -102,6 +103,10 @@ def bind_pull(ctx, endpoint: str, max_frame: int):
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, SOCKET_QUEUE_FRAMES)
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
+    if curve_keys is not None:
+        from pipeline import curve
+
+        curve.serve(sock, curve_keys)
     unlink_ipc(endpoint)  # a dead predecessor's
     try:
         sock.bind(endpoint)

@@ -106,6 +106,8 @@ class IntakeStage(Stage):
         self.refusing = reason
 
     def handle(self, source: str, frame) -> None:
+        if isinstance(frame, wire.KeyedFrame):  # CurveZMQ admitted the gateway: its key binds nothing here
+            frame = frame.data
         self._handle(frame, time.monotonic())
 
     def tick(self, now: float) -> None:

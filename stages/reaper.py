@@ -277,7 +277,7 @@ class ReaperStage(Stage):
 
     def _registered(self, reg: Register) -> None:
         self.registrations[reg.receiver] = reg
-        self.pusher.register(reg.receiver, reg.status)
+        self.pusher.register(reg.receiver, reg.status, reg.key)
         if len(self.registrations) > self.receivers.capacity:
             # The sender frees registrations (expired, or given way) without a record:
             # the shared table says which are left.
@@ -290,7 +290,7 @@ class ReaperStage(Stage):
             self.pusher.forget(receiver)
         for receiver, reg in registered.items():
             self.registrations[receiver] = reg
-            self.pusher.register(receiver, reg.status)
+            self.pusher.register(receiver, reg.status, reg.key)
         return registered
 
     def _tell_success(self, room: int, item: int, receiver: str, digest: bytes | None) -> None:
@@ -521,7 +521,8 @@ class ReaperStage(Stage):
 def build(env, name, emit, custody) -> ReaperStage:
     cfg, sh = env.cfg, env.shared
     return ReaperStage(emit, rooms=sh.rooms, told=sh.told, receivers=sh.receivers,
-                       pusher=StatusPusher(cfg.status_hwm, cfg.max_status_sockets, cfg.status_socket_idle_s),
+                       pusher=StatusPusher(cfg.status_hwm, cfg.max_status_sockets, cfg.status_socket_idle_s,
+                                           curve=env.curve_keypair),
                        tombstone_ttl_s=cfg.tombstone_ttl_s, max_tombstones=cfg.max_tombstones,
                        bootstrap_timeout_s=cfg.bootstrap_timeout_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s,
                        max_deadline_s=cfg.max_deadline_s, custody=custody)

@@ -137,7 +137,7 @@ class SenderStage(Stage):
 
     def handle(self, source: str, rec) -> None:
         match rec:
-            case bytes():
+            case bytes() | wire.KeyedFrame():
                 self._on_bootstrap(rec)
             case RoomOpened():
                 self._on_opened(rec)
@@ -181,18 +181,24 @@ class SenderStage(Stage):
                 "alloc_wait_seconds": self.alloc_wait.snapshot()}
 
     # ------------------------------------------------------------ inputs
-    def _on_bootstrap(self, frame: bytes) -> None:
+    def _on_bootstrap(self, frame: bytes | wire.KeyedFrame) -> None:
         now = time.monotonic()
+        key = frame.key if isinstance(frame, wire.KeyedFrame) else ""
         try:
-            msg = wire.decode(frame)
+            msg = wire.decode(frame.data if isinstance(frame, wire.KeyedFrame) else frame)
             m = wire.parse_bootstrap(msg)
         except ProtocolError as e:
             self._drop(f"bootstrap message: {e}")
             return
+        bound = self.receivers.get(m.receiver)
+        if bound is not None and bound.key != key:  # an id is its first key's while registered
+            self._drop(f"{type(m).__name__.lower()} naming a receiver registered under another key")
+            return
         if isinstance(m, Register):
+            m.key = key
             self._on_register(m, now)
             return
-        if m.receiver not in self.receivers:
+        if bound is None:
             self._drop(f"{type(m).__name__.lower()} from unregistered receiver")
             return
         self._heard(m.receiver, now)
@@ -221,7 +227,7 @@ class SenderStage(Stage):
             self.receivers_evicted += 1
         # In shared memory before anyone hears of it, so a restarted sender or reaper
         # knows every receiver that may send an alloc or wait for a status.
-        self.registrations.put(m.receiver, m.session, m.status, m.incarnation)
+        self.registrations.put(m.receiver, m.session, m.status, m.incarnation, m.key)
         self.receivers[m.receiver] = m
         self._heard(m.receiver, now)
         self.emit(registry.REAPER, Registered(m))

@@ -12,6 +12,11 @@ since its last status (what ZeroMQ's linger would have granted that status anywa
 it is closed with linger 0 and gives its file descriptors back at once. When every open
 socket was used more recently than that, a status for a receiver without a socket waits
 here (bounded) until one may be closed.
+
+With CurveZMQ (`curve`: the worker's key pair), a receiver's status socket is the CURVE
+server and the worker its client: the worker connects with the public key the receiver
+registered under on the bootstrap socket as the server's key, so statuses reach only
+the holder of that key's secret, and the receiver can admit the worker's key alone.
 """
 from __future__ import annotations
 
@@ -34,8 +39,10 @@ SLOTS_PER_SOCKET = 2
 class StatusPusher:
     """PUSH sockets to receivers' status endpoints; never blocks the reaper."""
 
-    def __init__(self, hwm: int = 10000, max_sockets: int = 256, idle_s: float = 60.0, clock=time.monotonic):
+    def __init__(self, hwm: int = 10000, max_sockets: int = 256, idle_s: float = 60.0, clock=time.monotonic,
+                 curve=None):
         self.hwm = hwm
+        self.curve = curve  # the worker's key pair (.public, .secret, Z85), or None
         self.max_sockets = max_sockets
         self.idle_s = max(idle_s, LINGER_S)
         self.clock = clock
@@ -43,8 +50,8 @@ class StatusPusher:
         # and the cap here may be set above what a shared one allows.
         self.ctx = zmq.Context()
         self.ctx.set(zmq.MAX_SOCKETS, SLOTS_PER_SOCKET * max_sockets + 8)
-        self.endpoints: dict[str, str] = {}
-        self.sockets: OrderedDict[str, tuple[zmq.Socket, str]] = OrderedDict()  # least recently used first
+        self.endpoints: dict[str, tuple[str, str]] = {}  # receiver -> (status endpoint, its CURVE key)
+        self.sockets: OrderedDict[str, tuple[zmq.Socket, tuple[str, str]]] = OrderedDict()  # least recently used first
         self.used_at: dict[str, float] = {}
         # Sockets to endpoints their receivers moved away from, with their last use: the
         # statuses sent there may still be leaving; closed once LINGER_S has passed.
@@ -56,12 +63,13 @@ class StatusPusher:
         self.opened = 0
         self._logged_no_socket = False
 
-    def register(self, receiver: str, endpoint: str) -> None:
-        """Where `receiver`'s statuses go from now on. A socket to its old endpoint, if
-        any, stays until idle: statuses already sent there may still be on their way."""
-        if self.endpoints.get(receiver) == endpoint:
+    def register(self, receiver: str, endpoint: str, key: str = "") -> None:
+        """Where `receiver`'s statuses go from now on (`key`: its CURVE public key, or ''
+        without CURVE). A socket to its old endpoint, if any, stays until idle: statuses
+        already sent there may still be on their way."""
+        if self.endpoints.get(receiver) == (endpoint, key):
             return
-        self.endpoints[receiver] = endpoint
+        self.endpoints[receiver] = (endpoint, key)
         if receiver in self.waiting:
             self.flush()
 
@@ -131,7 +139,7 @@ class StatusPusher:
         self.sockets.move_to_end(receiver)
         return True
 
-    def _socket(self, receiver: str, endpoint: str) -> zmq.Socket | None:
+    def _socket(self, receiver: str, endpoint: tuple[str, str]) -> zmq.Socket | None:
         """`receiver`'s socket to `endpoint`, opened if need be; None while none may be."""
         got = self.sockets.get(receiver)
         if got is not None and got[1] == endpoint:
@@ -154,13 +162,17 @@ class StatusPusher:
             return None
         sock.setsockopt(zmq.SNDHWM, self.hwm)
         sock.setsockopt(zmq.IMMEDIATE, 0)
+        address, key = endpoint
         try:
-            sock.connect(endpoint)
+            if key and self.curve is not None:
+                sock.curve_secretkey, sock.curve_publickey = self.curve.secret, self.curve.public
+                sock.curve_serverkey = key.encode()
+            sock.connect(address)
         except zmq.ZMQError as e:  # the sender checks endpoints; this one still got past it
             sock.close(linger=0)
             self.endpoints.pop(receiver, None)
             log.warning("receiver %r registered status endpoint %r, which cannot be connected to: %s",
-                        receiver, endpoint, e)
+                        receiver, address, e)
             return None
         self.opened += 1
         self.sockets[receiver] = (sock, endpoint)

@@ -156,6 +156,20 @@ def test_validate_accepts(key, value):
     dataclasses.replace(WorkerConfig(), **{key: value}).resolved().validate()
 
 
+@pytest.mark.parametrize("key, value", [
+    ("bootstrap", "tcp://0.0.0.0:17600"), ("bootstrap", "tcp://*:17600"), ("bootstrap", "tcp://10.1.2.3:17600"),
+    ("intake", "tcp://0.0.0.0:17601"), ("intake", "tcp://eth0:17601"),
+])
+def test_off_loopback_without_curve_is_refused_unless_allowed(key, value):
+    cfg = dataclasses.replace(WorkerConfig(), **{key: value}).resolved()
+    with pytest.raises(ConfigError) as e:
+        cfg.validate()
+    assert e.value.key == key and "--allow-insecure-network" in str(e.value) and "curve_cert" in str(e.value)
+    dataclasses.replace(cfg, allow_insecure_network=True).validate()
+    for loopback in ("tcp://127.0.0.1:17600", "tcp://[::1]:17600", "tcp://localhost:17600"):
+        dataclasses.replace(cfg, **{key: loopback}).validate()
+
+
 def test_parse_numa():
     assert parse_numa("auto") == "auto" and parse_numa("off") == "off"
     assert parse_numa("2") == {"*": 2}

@@ -346,6 +346,14 @@ INTAKE_CASES = [
     ("deadline zero", ("fail", "deadline_ms"), lambda c, r: c.msg(r, deadline_ms=0)),
     ("deadline negative", ("fail", "deadline_ms"), lambda c, r: c.msg(r, deadline_ms=-5)),
     ("deadline huge", ("fail", "deadline_ms"), lambda c, r: c.msg(r, deadline_ms=2**63)),
+    # legal, past max_deadline_s (about 11.6 days): served now, capped in the reaper's heap
+    ("deadline at its largest", ("ok", None), lambda c, r: c.ok(r, 14, deadline_ms=10**9)),
+    ("cache_salt too long", ("fail", "cache_salt must be a string of at most 128"), lambda c, r: c.msg(r, cache_salt="s" * 129)),
+    ("cache_salt an integer", ("fail", "cache_salt must be a string"), lambda c, r: c.msg(r, cache_salt=7)),
+    ("cache_salt as bytes", ("fail", "cache_salt must be a string"), lambda c, r: c.msg(r, cache_salt=b"tenant")),
+    ("cache_salt as a list", ("fail", "cache_salt must be a string"), lambda c, r: c.msg(r, cache_salt=["a"])),
+    ("cache_salt at its longest", ("ok", None), lambda c, r: c.ok(r, 15, cache_salt="é" * 128)),
+    ("cache_salt nil", ("ok", None), lambda c, r: c.ok(r, 16, cache_salt=None)),
     ("deadline float", ("fail", "deadline_ms"), lambda c, r: c.msg(r, deadline_ms=1.5)),
     ("shm name not a string", ("fail", "pixels.shm must be a string"), lambda c, r: c.msg(r, items=[c.seg_item(7)])),
     ("segment outside the prefix", ("fail", "outside the worker's shm prefix"),
@@ -940,3 +948,69 @@ def test_a_failed_heard_before_the_receivers_alloc_concludes_the_room_when_it_al
         push.close()
         rx.workers.popitem()[1].close(linger=0)
         rx.close()
+
+
+# ================================================================ bootstrap under CurveZMQ
+
+from pipeline import curve  # noqa: E402
+from tests.test_curve import Pusher, certs, peer  # noqa: E402,F401 (certs: the key pairs' fixture)
+
+REFUSED_KEY = "naming a receiver registered under another key"
+# (name, build(room of the owner's, owner) -> a message naming the owner, 'rx'): each sent
+# by a peer with another admitted key, and by a stranger's key and a peer without CURVE.
+CURVE_CASES = [
+    ("register under another's id", lambda room, rx: {"type": "register", "session": "127.0.0.1:1",
+                                                      "status": "tcp://127.0.0.1:1"}),
+    ("register under another's id, its own session and status",
+     lambda room, rx: {"type": "register", "session": rx.engine.session, "status": rx.status_endpoint}),
+    ("alloc naming another receiver, into its memory",
+     lambda room, rx: {"type": "alloc", "room": room, "item": 0, "dst": rx.address, "dst_deepstack": rx.address + 4096,
+                       "row_start": 0, "n_rows": 4, "fanout": 1, **SPAN4}),
+    ("alloc naming another receiver, a room not seen yet",
+     lambda room, rx: {"type": "alloc", "room": room + 10**6, "item": 0, "dst": rx.address,
+                       "dst_deepstack": rx.address + 4096, "row_start": 0, "n_rows": 4, "fanout": 1, **SPAN4}),
+    ("cancel of another's room", lambda room, rx: {"type": "cancel", "room": room}),
+    ("cancel naming another receiver, a room unknown", lambda room, rx: {"type": "cancel", "room": 2**64 - 1}),
+]
+
+
+@pytest.mark.parametrize("mode", ["inprocess", "pipeline"])
+def test_bootstrap_corpus_under_curve(mode, shm_prefix, tmp_path, certs):
+    """A receiver id is its first key's: another admitted key naming it is refused and
+    counted, whatever it sends; a key not admitted, and a peer without CURVE, are not
+    heard at all. The owner's rooms are served bit for bit meanwhile."""
+    w = start_worker(mode, sim_config(shm_prefix, tmp_path, curve_cert=certs["worker"],
+                                      curve_clients=certs["clients"]))
+    made = [w]
+    try:
+        client = Client(w.cfg.intake, None, **peer(certs, "gateway"))
+        rx = Receiver("rx", w.cfg.bootstrap, buffer_bytes=16 << 20, **peer(certs, "rx"))
+        made += [client, rx]
+        r = Rig(w, client, rx, shm_prefix, made)
+        r.send_healthy(0)
+        r.check_healthy()  # registered, under its key
+        worker_public = curve.load_public(certs["worker_public"])
+        thief = Pusher(w.cfg.bootstrap, (curve.load_keypair(certs["other"]), worker_public))
+        stranger = Pusher(w.cfg.bootstrap, (curve.load_keypair(certs["stranger"]), worker_public))
+        plain = Pusher(w.cfg.bootstrap)
+        made += [thief, stranger, plain]
+        expected = Counter()
+        for k, (name, build) in enumerate(CURVE_CASES):
+            msg = {"v": 1, "receiver": "rx", **build(r.send_healthy(k + 1), rx)}
+            for p in (thief, stranger, plain):
+                p.send(msg)
+            expected[msg["type"]] += 1
+        assert stranger.refused() and plain.refused()
+        end = time.monotonic() + 30
+        while sum(w.stats()["sender_dropped"].values()) < sum(expected.values()) and time.monotonic() < end:
+            time.sleep(0.1)
+        dropped = w.stats()["sender_dropped"]
+        for kind, n in expected.items():
+            assert counted(dropped, f"{kind} {REFUSED_KEY}") == n, (kind, dropped)
+        assert sum(dropped.values()) == sum(expected.values()), dropped
+        r.check_healthy()
+        assert w.stats()["receivers_registered"] == 1
+        r.assert_alive()
+    finally:
+        for obj in reversed(made):
+            obj.close()

@@ -25,7 +25,7 @@ class RecordingPusher:
         self.endpoints: dict[str, str] = {}
         self.undelivered = 0
 
-    def register(self, receiver: str, endpoint: str) -> None:
+    def register(self, receiver: str, endpoint: str, key: str = "") -> None:
         self.endpoints[receiver] = endpoint
 
     def send(self, receiver: str, frame: bytes) -> None:

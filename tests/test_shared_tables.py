@@ -14,7 +14,7 @@ from ipc import receivers as receivers_mod
 from ipc import shm
 from ipc import told as told_mod
 from ipc.shared_table import SharedTable, lay_out
-from ipc.receivers import ReceiverTable, TableFull, registration_row
+from ipc.receivers import KEY_CHARS, ReceiverTable, TableFull, registration_row
 from ipc.told import ToldTable
 from ipc.wire import MAX_ID_CHARS
 from tests.helpers import fork_call, wait_child
@@ -145,7 +145,7 @@ def test_registrations_are_replaced_and_read_back_by_another_process_view(make, 
     t.put("rx-0", "host:3", "tcp://h:3")  # a restarted receiver: the spare slot, then the old one freed
     other = ReceiverTable.attach(shm_prefix, t.run_id, "t", readonly=True)
     try:
-        assert other.load() == {"rx-0": ("host:3", "tcp://h:3"), "rx-1": ("host:2", "tcp://h:2")}
+        assert other.load() == {"rx-0": ("host:3", "tcp://h:3", ""), "rx-1": ("host:2", "tcp://h:2", "")}
     finally:
         other.close()
     t.put("rx-2", "host:4", "tcp://h:4")
@@ -154,7 +154,7 @@ def test_registrations_are_replaced_and_read_back_by_another_process_view(make, 
     longest = "é" * MAX_ID_CHARS  # two UTF-8 bytes each; four-byte characters fit too
     t2 = make(ReceiverTable, 2)
     t2.put(longest, "🙂" * MAX_ID_CHARS, "ipc://x")
-    assert t2.load() == {longest: ("🙂" * MAX_ID_CHARS, "ipc://x")}
+    assert t2.load() == {longest: ("🙂" * MAX_ID_CHARS, "ipc://x", "")}
 
 
 def test_a_writer_killed_between_publishing_and_freeing_leaves_the_newer_registration(make, shm_prefix):
@@ -171,9 +171,9 @@ def test_a_writer_killed_between_publishing_and_freeing_leaves_the_newer_registr
     assert wait_child(fork_call(child)) == -signal.SIGKILL
     successor = ReceiverTable.attach(shm_prefix, t.run_id, "t")
     try:
-        assert successor.load() == {"rx": ("new:1", "tcp://new:1")}
+        assert successor.load() == {"rx": ("new:1", "tcp://new:1", "")}
         successor.put("rx-2", "b:1", "tcp://b:1")  # frees the stale copy first: room for both
-        assert successor.load() == {"rx": ("new:1", "tcp://new:1"), "rx-2": ("b:1", "tcp://b:1")}
+        assert successor.load() == {"rx": ("new:1", "tcp://new:1", ""), "rx-2": ("b:1", "tcp://b:1", "")}
     finally:
         successor.close()
 
@@ -198,12 +198,12 @@ def test_a_torn_row_is_never_read_as_a_registration(make, shm_prefix):
         assert reader.load() == {}
         t.buf[at:at + len(new)] = new  # the rest, then the generation: whole
         t._genv[slot] = gen + 1
-        assert reader.load() == {"rx": ("new:2", "tcp://new:2")}
+        assert reader.load() == {"rx": ("new:2", "tcp://new:2", "")}
         t.buf[at + 100] ^= 1  # damage: skipped by any reader, freed by the writer
         assert reader.load() == {}
         assert t.load() == {}
         t.put("rx-2", "b:1", "tcp://b:1")
-        assert t.load() == {"rx-2": ("b:1", "tcp://b:1")} and np.count_nonzero(t.generations) == 1, "freed"
+        assert t.load() == {"rx-2": ("b:1", "tcp://b:1", "")} and np.count_nonzero(t.generations) == 1, "freed"
     finally:
         reader.close()
 
@@ -217,15 +217,15 @@ def test_a_reader_racing_the_writer_sees_each_registration_old_or_new(make, shm_
     receivers_mod._fault_hook = lambda point: seen.append((point, reader.load()))
     try:
         t.put("rx", "a:1", "tcp://a:1")
-        t.put("rx", "b:2", "tcp://b:2")
+        t.put("rx", "b:2", "tcp://b:2", key="K" * KEY_CHARS)  # a CurveZMQ key goes with it
         t.put("ry", "c:3", "tcp://c:3")
     finally:
         receivers_mod._fault_hook = None
         reader.close()
-    a, b = {"rx": ("a:1", "tcp://a:1")}, {"rx": ("b:2", "tcp://b:2")}
+    a, b = {"rx": ("a:1", "tcp://a:1", "")}, {"rx": ("b:2", "tcp://b:2", "K" * KEY_CHARS)}
     assert seen == [("receivers.body", {}), ("receivers.published", a),
                     ("receivers.body", a), ("receivers.published", b),
-                    ("receivers.body", b), ("receivers.published", {**b, "ry": ("c:3", "tcp://c:3")})]
+                    ("receivers.body", b), ("receivers.published", {**b, "ry": ("c:3", "tcp://c:3", "")})]
 
 
 def _registration_ops(seed: int, n: int):
@@ -266,7 +266,7 @@ def test_receiver_table_writer_killed_at_random_moments(make, shm_prefix):
                 assert os.read(r, 1) == b"r"
                 end = time.monotonic() + rng.uniform(0, 0.01)
                 while time.monotonic() < end:
-                    for rx, (session, status) in t.load().items():  # whole: the fields agree
+                    for rx, (session, status, _) in t.load().items():  # whole: the fields agree
                         k = session.split("-")[1].split(":")[0]
                         assert status.startswith(f"tcp://h{k}:"), (rx, session, status)
             finally:
@@ -279,7 +279,7 @@ def test_receiver_table_writer_killed_at_random_moments(make, shm_prefix):
                 for rx, session, status in ops:
                     if state == after:
                         break
-                    state[rx] = (session, status)
+                    state[rx] = (session, status, "")
                     replayed += 1
                 assert state == after, f"the table matches no prefix of the writer's registrations ({child_seed})"
             finally:
