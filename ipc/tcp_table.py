@@ -16,7 +16,7 @@ import os
 import struct
 from typing import NamedTuple
 
-__all__ = ["Destination", "TcpSocket", "destination", "host_addresses", "orphaned", "read_table"]
+__all__ = ["Destination", "TcpSocket", "destination", "host_addresses", "orphaned", "port_groups", "read_table"]
 
 # States (include/net/tcp_states.h) in which an orphan may still send or be read from.
 _ESTABLISHED, _FIN_WAIT1, _FIN_WAIT2, _CLOSE_WAIT, _LAST_ACK, _LISTEN, _CLOSING = 1, 4, 5, 8, 9, 10, 11
@@ -89,38 +89,35 @@ class Destination(NamedTuple):
                    if (self.addresses is None or ip in self.addresses) and (self.ports is None or port in self.ports))
 
 
-def destination(session: str, table: list[TcpSocket], proc: str = "/proc") -> Destination:
-    """Where bytes for the Mooncake session `session` ("host:rpc_port") go. Its data port is
-    not in the session: for a receiver on this host it is found as another port its process
-    listens on (the process found by its RPC port's listening socket, through /proc); for
-    one elsewhere, or a process this one may not look into, any port of its host counts."""
-    host, _, port = session.rpartition(":")
-    addresses = host_addresses([host])
-    listening = {s.local[1]: s.inode for s in table if s.state == _LISTEN and s.inode}
-    inode = listening.get(int(port)) if port.isdigit() else None
-    owner = _owner_inodes(inode, proc) if inode is not None else None
-    if owner is None:
-        return Destination(addresses, None)
-    return Destination(addresses, frozenset(p for p, i in listening.items() if i in owner))
-
-
-def _owner_inodes(inode: int, proc: str) -> set[int] | None:
-    """The socket inodes of the process holding socket `inode`, or None if not found."""
-    link = f"socket:[{inode}]"
+def port_groups(table: list[TcpSocket], proc: str = "/proc") -> dict[int, frozenset[int]]:
+    """Listening port -> every port its process listens on, for the processes this one may
+    look into (through /proc: one pass over every process's descriptors)."""
+    listening = {s.inode: s.local[1] for s in table if s.state == _LISTEN and s.inode}
+    groups: dict[int, frozenset[int]] = {}
     for pid in filter(str.isdigit, _listdir(proc)):
-        inodes = set()
-        found = False
+        ports = set()
         for fd in _listdir(f"{proc}/{pid}/fd"):
             try:
                 target = os.readlink(f"{proc}/{pid}/fd/{fd}")
             except OSError:
                 continue
-            found |= target == link
-            if target.startswith("socket:["):
-                inodes.add(int(target[8:-1]))
-        if found:
-            return inodes
-    return None
+            if target.startswith("socket:[") and int(target[8:-1]) in listening:
+                ports.add(listening[int(target[8:-1])])
+        for port in ports:
+            groups[port] = frozenset(ports)
+    return groups
+
+
+def destination(session: str, table: list[TcpSocket], groups: dict[int, frozenset[int]]) -> Destination:
+    """Where bytes for the Mooncake session `session` ("host:rpc_port") go. Its data port is
+    not in the session: for a receiver on this host it is another port its process listens
+    on (`groups`: port_groups()); for one elsewhere, or a process this one may not look
+    into, any port of its address counts."""
+    host, _, port = session.rpartition(":")
+    addresses = host_addresses([host])
+    local = addresses is not None and bool(addresses & ({"127.0.0.1", "::1"} | {s.local[0] for s in table}))
+    ports = groups.get(int(port)) if local and port.isdigit() else None
+    return Destination(addresses, ports)
 
 
 def _listdir(path: str) -> list[str]:

@@ -267,13 +267,14 @@ class ReaperStage(Stage):
             return set()
         table = tcp_table.read_table()
         orphans = tcp_table.orphaned(table)
-        late = set()
-        for receiver, reg in self.registrations.items() if orphans else ():
-            if receiver not in self.destinations:
-                self.destinations[receiver] = tcp_table.destination(reg.session, table)
-            if self.destinations[receiver].carried(orphans):
-                late.add(receiver)
-        return late
+        if not orphans:
+            return set()
+        waiting = set().union(*(to for _, to in self.draining.values())) & set(self.registrations)
+        if waiting - set(self.destinations):
+            groups = tcp_table.port_groups(table)  # once per death: the receivers' processes do not move
+            for receiver in waiting - set(self.destinations):
+                self.destinations[receiver] = tcp_table.destination(self.registrations[receiver].session, table, groups)
+        return {receiver for receiver in waiting if self.destinations[receiver].carried(orphans)}
 
     def _registered(self, reg: Register) -> None:
         self.registrations[reg.receiver] = reg

@@ -31,7 +31,8 @@ ROWS, HIDDEN = 1024, 3584
 def queued_for(rx: StalledReceiver) -> int:
     """Bytes orphaned connections may still deliver to the stalled receiver."""
     table = tcp_table.read_table()
-    return tcp_table.destination(rx.session, table).carried(tcp_table.orphaned(table))
+    dest = tcp_table.destination(rx.session, table, tcp_table.port_groups(table))
+    return dest.carried(tcp_table.orphaned(table))
 
 
 def test_no_failed_while_a_dead_senders_bytes_can_land(shm_prefix, tmp_path):
@@ -114,9 +115,10 @@ def test_the_socket_table_counts_bytes_an_orphan_can_still_deliver_and_to_whom(t
     table = tcp_table.read_table(str(net))
     orphans = tcp_table.orphaned(table)
     assert sorted(orphans) == [(("10.0.0.9", 7001), 50), (("127.0.0.1", 7001), 4396)]
-    here = tcp_table.destination("127.0.0.1:7000", table, str(proc))
+    groups = tcp_table.port_groups(table, str(proc))
+    here = tcp_table.destination("127.0.0.1:7000", table, groups)
     assert here.ports == {7000, 7001} and here.carried(orphans) == 4396
-    assert tcp_table.destination("127.0.0.1:9000", table, str(proc)).carried(orphans) == 0  # another process
-    assert tcp_table.destination("127.0.0.1:9999", table, str(proc)).carried(orphans) == 4396  # not found: any port
-    assert tcp_table.destination("10.0.0.9:7000", table, str(proc)).carried(orphans) == 50  # any port there
-    assert tcp_table.destination("prefill-3:7000", table, str(proc)).addresses is None
+    assert tcp_table.destination("127.0.0.1:9000", table, groups).carried(orphans) == 0  # another process
+    assert tcp_table.destination("127.0.0.1:9999", table, groups).carried(orphans) == 4396  # not found: any port
+    assert tcp_table.destination("10.0.0.9:7000", table, groups).carried(orphans) == 50  # elsewhere: any port
+    assert tcp_table.destination("prefill-3:7000", table, groups).addresses is None
