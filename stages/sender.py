@@ -1,13 +1,10 @@
 """Sender: matches ready embeddings with receivers' allocs, checks them, issues writes.
 
-It owns the Mooncake engine and the bootstrap socket's messages. It never sends a
-status itself: everything a receiver should hear goes to the reaper as a record
-(the sender -> reaper records of stages/records.py), so that one place decides what
-each receiver is told, exactly once.
-
-Custody: it holds a room from its RoomOpened until the room concludes here (fenced,
-or forgotten once it succeeded), and an item that overtook its room's RoomOpened
-until the room arrives or is fenced.
+It owns the Mooncake engine and the bootstrap socket's messages, and never sends a
+status itself: what a receiver should hear goes to the reaper as a record, so that one
+place decides what each receiver is told, exactly once. Custody: a room from its
+RoomOpened until it concludes here (fenced, or forgotten once it succeeded), and an
+item that overtook its room's RoomOpened until the room arrives or is fenced.
 """
 from __future__ import annotations
 
@@ -104,9 +101,8 @@ class SenderStage(Stage):
         self.held: dict[int, list[tuple[float, Alloc, int]]] = {}
         self.n_held = self.transfer_failures = self.bytes_written = 0
         self.early: dict[int, list[ReadyItem]] = {}  # items that overtook their room's RoomOpened
-        # Rooms fenced before their RoomOpened came: the reaper fences before the room
-        # table says Failed, so a RoomOpened cannot rely on the table alone. (And rooms
-        # fenced after it, so that a later alloc is answered, not held for it.)
+        # Rooms fenced before their RoomOpened came (the reaper fences before the room table
+        # says Failed), and after it, so that a later alloc is answered, not held for it.
         self.fenced_unopened: OrderedDict[int, float] = OrderedDict()  # room -> when fenced
         self.dropped = Counter()
         self.transfer_seconds = Histogram()
@@ -128,8 +124,7 @@ class SenderStage(Stage):
             self.engaged[a.receiver] += 1
         self.n_held = len(self.held_table)
 
-    def socket(self) -> tuple[str, int] | None:
-        # register/alloc/cancel are a few hundred bytes
+    def socket(self) -> tuple[str, int] | None:  # register/alloc/cancel are a few hundred bytes
         return (self.endpoint, 1 << 20) if self.endpoint else None
 
     def handle(self, source: str, rec) -> None:
@@ -151,12 +146,10 @@ class SenderStage(Stage):
         """Collect finished writes; time out what waited too long for its allocs."""
         for room in list(self.writing):
             tx = self.live.get(room)
+            if tx is not None and tx.writes:
+                self._poll_room(room, tx)
             if tx is None or not tx.writes:
                 self.writing.discard(room)
-            else:
-                self._poll_room(room, tx)
-                if not tx.writes:
-                    self.writing.discard(room)
         if now - self._timeouts_at >= 0.05:
             self._timeouts_at = now
             self._timeouts(now)
