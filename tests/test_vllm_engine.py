@@ -200,13 +200,15 @@ def test_a_hit_in_vllms_encoder_cache_cancels_the_room(sim):
     sched.scheduler = SimpleNamespace(encoder_cache_manager=SimpleNamespace(cached=vllm_cache))
     client = Client(w.cfg.intake, w.cfg.shm_prefix)
     try:
-        client.encode(18, "r18", [Item("image", *image(7))])
         hit = fake_request("g", 18, w.cfg.bootstrap, ["u7"])
         # vLLM holds u7: the request goes ahead at once, and no alloc is sent.
         assert sched.ensure_cache_available(hit, 0) and not sched.receiver.shards
-        # Its placeholders computed from vLLM's own cache, the room is canceled.
+        # Its placeholders computed from vLLM's own cache, the room is canceled, even
+        # before the worker has seen the room's encode.
         assert sched.ensure_cache_available(hit, 100)
+        client.encode(18, "r18", [Item("image", *image(7))])
         wait_for(lambda: concluded(w, "failed", "canceled"), 30, "the worker to cancel room 18")
+        wait_for(lambda: not sched.draining, 30, "the worker's answer", step=sched.poll)
         assert sched.ensure_cache_available(hit, 100) and not sched.receiver.shards
         sched.request_finished(hit)
         # vLLM evicts u8 before it schedules the request: its room is allocated after all.

@@ -244,7 +244,7 @@ class EPDConnector(ECConnectorBase):
             # encoder cache: the room is not needed.
             self.deferred.pop(rid, None)
             self.released.add(rid)
-            self._cancel(room_id, worker)
+            self._give_up(request, room_id, worker, items)
             return None
         cached = self.vllm_encoder_cache()
         if all(f.identifier in cached for f in items_needed):
@@ -282,16 +282,26 @@ class EPDConnector(ECConnectorBase):
                              f"media are {sorted(named)[:4]}")
         return room_id, worker, items
 
+    def _give_up(self, request, room: int, worker: str, items: dict[str, int]) -> None:
+        """Cancel a room never allocated. The worker drops a cancel of a room it holds
+        nothing of (its encode still on the way) and answers only a room's receivers, so
+        the connector first joins the room with allocs of no rows, after which no write
+        can come, then cancels it: the worker frees the room's embeddings at once, not
+        at its bootstrap timeout, and answers."""
+        s = self.settings
+        for f in request.mm_features:
+            if (room, items[f.identifier]) not in self.receiver.shards:
+                self.receiver.alloc(room, items[f.identifier], span=f.mm_position.get_num_embeds(),
+                                    hidden=s.hidden, dtype=s.dtype, deepstack_width=s.deepstack_width,
+                                    n_rows=0, worker=worker)
+        self._cancel(room, worker)
+
     def _cancel(self, room: int, worker: str) -> None:
         """Give a room up that no request holds; its shards are released on the worker's
-        answer (or after deadline_s without one). A room never allocated has nothing to
-        wait for: the worker answers only a room's receivers."""
+        answer (or after deadline_s without one)."""
         self.receiver.route(room, worker)
         self.receiver.cancel(room)
-        if any(key[0] == room for key in self.receiver.shards):
-            self.draining[room] = time.monotonic() + self.settings.deadline_s
-        else:
-            self._forget(room)
+        self.draining[room] = time.monotonic() + self.settings.deadline_s
 
     def _settle(self, room: Room) -> None:
         """Mark a room ready, or failed (on its status or its deadline)."""
@@ -364,7 +374,7 @@ class EPDConnector(ECConnectorBase):
         self.released.discard(request.request_id)
         held = self.deferred.pop(request.request_id, None)
         if held is not None:
-            self._cancel(held[0], held[1])
+            self._give_up(request, *held)
         room = self.rooms.pop(request.request_id, None)
         if room is None:
             return False, None
