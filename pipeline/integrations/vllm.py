@@ -283,12 +283,15 @@ class EPDConnector(ECConnectorBase):
         return room_id, worker, items
 
     def _give_up(self, request, room: int, worker: str, items: dict[str, int]) -> None:
-        """Cancel a room never allocated. The worker drops a cancel of a room it holds
-        nothing of (its encode still on the way) and answers only a room's receivers, so
-        the connector first joins the room with allocs of no rows, after which no write
-        can come, then cancels it: the worker frees the room's embeddings at once, not
-        at its bootstrap timeout, and answers."""
+        """Cancel a room never allocated, and be answered. The worker answers only a
+        room's receivers, and drops a cancel of a room it does not hold yet (its encode
+        still on the way); so: a cancel (a room the worker holds fails now), allocs of no
+        rows (the connector joins the room; no write can follow), and a cancel again (a
+        room not seen yet: held with those allocs, it fails when its encode comes). The
+        worker counts one of the two cancels as dropped."""
         s = self.settings
+        self.receiver.route(room, worker)
+        self.receiver.cancel(room)
         for f in request.mm_features:
             if (room, items[f.identifier]) not in self.receiver.shards:
                 self.receiver.alloc(room, items[f.identifier], span=f.mm_position.get_num_embeds(),
