@@ -15,9 +15,10 @@ Scheduler side (vLLM's engine core): a `Receiver` whose receive buffer is a segm
 /dev/shm. The first time the scheduler asks about a request it sends an `alloc` per
 item (span: vLLM's own count of the item's embeddings; hidden size and dtype: the
 model's), then holds the request back until every item's `success`, or hands it to
-vLLM as an error when the room fails or its deadline passes. Worker side (the model
-runner): copies each item's rows out of that segment into vLLM's encoder cache,
-`[main | deepstack]` side by side as Qwen3-VL expects.
+vLLM as an error when the room fails or its deadline passes. A room whose items vLLM
+already holds (its prefix cache, its own encoder cache) is canceled instead. Worker
+side (the model runner): copies each item's rows out of that segment into vLLM's
+encoder cache, `[main | deepstack]` side by side as Qwen3-VL expects.
 """
 from __future__ import annotations
 
