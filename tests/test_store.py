@@ -1,6 +1,6 @@
 """The shared store tier: two workers of either mode and a real mooncake_master on loopback
 (served across workers, a forged value, a stalled, killed and restarted master, a killed
-store node); then the tier alone and the cache stage beside it, on a client in memory that
+store node, a worker stopped once its master is gone); then the tier alone and the cache stage beside it, on a client in memory that
 stalls at will; and the towers' identities."""
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import signal
 import socket
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -25,7 +26,8 @@ from stages.embedding_cache import make_key
 from stages.records import RoomAbandoned
 from stages.store_tier import StoreSettings, StoreTier, tower_identity
 from tests.test_metrics import scrape_until, value
-from tests.helpers import expected_sim_rows, image, sim_config, start_worker
+from tests.helpers import expected_sim_rows, free_port, image, sim_config, start_worker
+from tests.test_startup import kill_session, serve_cmd, start_serving, wait_session_gone
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -223,6 +225,49 @@ def test_a_store_node_killed_fails_no_room_of_the_others(master, shm_prefix, tmp
         pair.close()
 
 
+@pytest.mark.parametrize("mode", ["inprocess", "pipeline"])
+def test_a_worker_stopped_once_its_master_is_gone_exits_cleanly(mode, master, shm_prefix, tmp_path):
+    """The client's close would wait on the dead master, holding the process (in the pipeline
+    the supervisor killed the cache stage past its stop limit, its stacks logged): SIGTERM
+    ends `run.py serve` with 0 within the drain bound, no stage killed, nothing left in
+    /dev/shm, no process left."""
+    drain_s, metrics = 2.0, f"127.0.0.1:{free_port()}"
+    cmd = serve_cmd(mode, shm_prefix, tmp_path, store_master=master.address, cache_key_file=key_file(tmp_path),
+                    store_segment_bytes=32 << 20, store_buffer_bytes=8 << 20, drain_timeout_s=drain_s,
+                    metrics_endpoint=metrics)
+    stderr = tmp_path / "stderr"
+    proc = start_serving(cmd, stderr)
+    client = Client(cmd[cmd.index("--intake") + 1], shm_prefix)
+    rx = Receiver("rx", cmd[cmd.index("--bootstrap") + 1])
+    try:
+        put = 'epd_store_puts_total{outcome="stored"} 1.0'
+        wait_for(lambda: "epd_store_connected 1.0" in scraped(metrics), 60, "the store client")
+        grid, pixels = image(61, grid=(1, 4, 4))
+        client.encode(1, "req-1", [Item("image", grid, pixels)])
+        rx.alloc(1, 0, span=4, hidden=64, dtype="bfloat16", deepstack_width=32)
+        assert rx.wait({1: 1}, 60) and not rx.failed
+        wait_for(lambda: put in scraped(metrics), 30, "the put")
+        master.kill()
+        # The client has begun to reconnect, which its close would wait for.
+        wait_for(lambda: "Failed to ping master" in stderr.read_text(), 60, "the client to miss the master")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(drain_s + 5.0) == 0
+        log = stderr.read_text()
+        assert "did not exit within" not in log and "Current thread" not in log, log[-3000:]
+        assert "does not answer: leaving without unmounting" in log
+        assert not wait_session_gone(proc.pid), "a process outlived the stop"
+        assert not shm.list_objects(shm_prefix), "the stop left objects in /dev/shm"
+    finally:
+        client.close()
+        rx.close()
+        kill_session(proc.pid)
+        proc.wait(30)
+
+
+def scraped(endpoint: str) -> str:
+    return urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=30).read().decode()
+
+
 def test_the_store_needs_a_shared_cache_key(tmp_path):
     cfg = sim_config("x", tmp_path, store_master="127.0.0.1:50051").resolved()
     with pytest.raises(ConfigError, match="cache_key_file"):
@@ -256,6 +301,10 @@ class StallingClient:
             return -704
         ctypes.memmove(ptr, value, len(value))
         return len(value)
+
+    def is_exist(self, name: str) -> int:
+        self.gate.wait()
+        return int(name in self.values)
 
     def put_parts(self, name: str, *parts) -> int:
         self.put_gate.wait()
