@@ -9,6 +9,8 @@ import itertools
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -27,7 +29,7 @@ from stages.records import RoomAbandoned
 from stages.store_tier import StoreSettings, StoreTier, tower_identity
 from tests.test_metrics import scrape_until, value
 from tests.helpers import expected_sim_rows, free_port, image, sim_config, start_worker
-from tests.test_startup import kill_session, serve_cmd, start_serving, wait_session_gone
+from tests.test_startup import REPO, kill_session, serve_cmd, start_serving, wait_session_gone
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -266,6 +268,33 @@ def test_a_worker_stopped_once_its_master_is_gone_exits_cleanly(mode, master, sh
 
 def scraped(endpoint: str) -> str:
     return urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=30).read().decode()
+
+
+_QUIET_SCRIPT = """
+import logging, sys, time
+logging.basicConfig(level=sys.argv[1])
+from stages.store_tier import StoreSettings, StoreTier
+tier = StoreTier(StoreSettings(sys.argv[2], "P2PHANDSHAKE", 16 << 20, 1 << 20, "tcp", "", "127.0.0.1", 1.0),
+                 b"tower", bytes(32))
+end = time.monotonic() + 60
+while not tier.connected():
+    assert time.monotonic() < end, "not connected"
+    time.sleep(0.05)
+tier.close()
+"""
+
+
+@pytest.mark.parametrize("level", ["DEBUG", "WARNING"])
+def test_the_store_clients_set_up_says_nothing_above_debug(level, master):
+    """Like the transfer engine's (test_transport): a healthy set-up logs a dozen INFO lines
+    and an error-level "Local segment descriptor not found"; only at DEBUG do they show."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MC_", "GLOG_"))}
+    p = subprocess.run([sys.executable, "-c", _QUIET_SCRIPT, level, master.address], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    said = [text for text in ("Mounting segment", "Local segment descriptor not found") if text in p.stderr]
+    assert said == {"DEBUG": ["Mounting segment", "Local segment descriptor not found"], "WARNING": []}[level], \
+        p.stderr
 
 
 def test_the_store_needs_a_shared_cache_key(tmp_path):
