@@ -26,7 +26,7 @@ from pipeline.receiver import Receiver
 from pipeline.testing.store_master import StoreMaster
 from stages.embedding_cache import make_key
 from stages.records import RoomAbandoned
-from stages.store_tier import StoreSettings, StoreTier, tower_identity
+from stages.store_tier import ABANDONED, StoreSettings, StoreTier, tower_identity
 from tests.test_metrics import scrape_until, value
 from tests.helpers import expected_sim_rows, free_port, image, sim_config, start_worker
 from tests.test_startup import REPO, kill_session, serve_cmd, start_serving, wait_session_gone
@@ -316,6 +316,7 @@ class StallingClient:
         self.gate.set()
         self.put_gate = threading.Event()  # the same for puts
         self.put_gate.set()
+        self.closed = False
 
     def setup(self, *args) -> int:
         return 0
@@ -341,7 +342,7 @@ class StallingClient:
         return 0
 
     def close(self) -> None:
-        pass
+        self.closed = True
 
 
 def answers_until(tier, n: int = 1) -> list:
@@ -397,6 +398,29 @@ def test_the_tier_answers_every_ask_by_its_deadline_and_skips_a_stalled_store():
         client.gate.set()
         client.put_gate.set()
         tier.close()
+        listener.close()
+
+
+@pytest.mark.parametrize("answers", [True, False])
+def test_close_tells_a_master_that_answers_and_abandons_a_client_whose_master_does_not(answers):
+    """A close against a stalled master would hold the process (the client's close keeps the
+    GIL while it waits): the client is left open, kept from its destructor, for the process
+    to end past its exit handlers."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = StallingClient()
+    settings = StoreSettings(f"127.0.0.1:{listener.getsockname()[1]}", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "",
+                             "127.0.0.1", get_timeout_s=0.2)
+    tier = StoreTier(settings, b"tower", os.urandom(32), client_factory=lambda: client)
+    try:
+        wait_for(tier.connected, 10, "the tier to connect")
+        if not answers:
+            client.gate.clear()
+        tier.close()
+        assert client.closed == answers
+        assert (client in ABANDONED) != answers
+    finally:
+        client.gate.set()
+        ABANDONED[:] = [c for c in ABANDONED if c is not client]
         listener.close()
 
 
