@@ -58,6 +58,9 @@ DIGEST_BYTES = 32
 NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
 MAX_ASKS = 64  # asks in flight at most; more are misses at once
 MAX_PUTS = 32  # puts queued at most (each holds its rows in the arena); more are dropped and counted
+# A put call older than this is stuck (a stalled master). Not the lookup deadline: a put
+# holds no room, and on a busy host a healthy one can outlast a deadline made for rooms.
+PUT_STUCK_S = 1.0
 RETRY_S = 1.0  # between attempts to reach the master
 SAMPLES, SAMPLE_BYTES = 16, 64 << 10  # of each weight file, for a checkpoint's digest
 CLOSE_S = 1.0  # what a close waits for the threads and the master's answer, at most
@@ -213,12 +216,12 @@ class StoreTier:
     def put(self, key: tuple, view: memoryview, token) -> bool:
         """Queue `view` (the rows of `key`) for the store; `token` comes back out of `done`
         once the put thread has copied `view`. False: not queued (counted): not connected,
-        too many queued, rows larger than the buffer, or a put stuck past the deadline (a
-        stalled master: rows queued behind it would hold their leases)."""
+        too many queued, rows larger than the buffer, or a put stuck (PUT_STUCK_S: a stalled
+        master; rows queued behind it would hold their leases)."""
         since = self.putting_since
         if (not self.connected() or self.puts_queued >= MAX_PUTS
                 or len(view) + DIGEST_BYTES > self.buffer.nbytes
-                or (since is not None and time.monotonic() - since > self.settings.get_timeout_s)):
+                or (since is not None and time.monotonic() - since > PUT_STUCK_S)):
             self.counts["put_dropped"] += 1
             return False
         self.puts_queued += 1

@@ -26,7 +26,7 @@ from pipeline.receiver import Receiver
 from pipeline.testing.store_master import StoreMaster
 from stages.embedding_cache import make_key
 from stages.records import RoomAbandoned
-from stages.store_tier import ABANDONED, StoreSettings, StoreTier, tower_identity
+from stages.store_tier import ABANDONED, PUT_STUCK_S, StoreSettings, StoreTier, tower_identity
 from tests.test_metrics import scrape_until, value
 from tests.helpers import expected_sim_rows, free_port, image, sim_config, start_worker
 from tests.test_startup import REPO, kill_session, serve_cmd, start_serving, wait_session_gone
@@ -389,8 +389,8 @@ def test_the_tier_answers_every_ask_by_its_deadline_and_skips_a_stalled_store():
         client.put_gate.clear()  # a put that stalls gives its rows back at once, and no more are queued
         assert tier.put(other, memoryview(rows), "stalled")
         wait_for(lambda: tier.done() == ["stalled"], 10, "the rows' copy")
-        wait_for(lambda: tier.putting_since is not None and time.monotonic() - tier.putting_since > 0.2, 10,
-                 "the put to pass the deadline")
+        wait_for(lambda: tier.putting_since is not None and time.monotonic() - tier.putting_since > PUT_STUCK_S,
+                 10, "the put to be stuck")
         assert not tier.put(key, memoryview(rows), "refused")
         client.put_gate.set()
         wait_for(lambda: tier.stats()["store_puts"] == {"stored": 2, "failed": 0, "dropped": 1}, 10, "the put")
