@@ -60,7 +60,7 @@ def test_a_zero_row_shard_is_answered_without_a_write(tables):  # noqa: F811
     _send_alloc(s, "rx-b", 4, 0, session="127.0.0.1:3333", status="tcp://127.0.0.1:4444", fanout=2)
     s.handle(TOWER, ReadyItem(slot, ROOM, 0, 4, s.arena.alloc(4 * 8 * 2, OWNER_TOWER)))
     assert engine.writes == [("127.0.0.1:1111", [4096])]
-    assert ShardWritten(ROOM, 0, "rx-b") in out
+    assert [(r.room, r.item, r.receiver) for r in out if isinstance(r, ShardWritten)] == [(ROOM, 0, "rx-b")]
 
 
 def _pre_alloc(room=b"1311768467463790320", n=b"256", dtype=b"torch.bfloat16", deep=b"0", fanout=b"1",
@@ -89,6 +89,25 @@ def test_frames_translate_into_native_messages():
 def test_malformed_frames_are_refused_with_a_reason(parts):
     with pytest.raises(FrameError):
         translate(parts, 0)
+
+
+def test_a_refused_pre_alloc_names_where_to_answer_when_it_can_be_read():
+    from pipeline.tokenspeed_front import refused_room
+
+    assert refused_room(_pre_alloc(dtype=b"torch.int8")) == (1311768467463790320, "tcp://127.0.0.1:38649")
+    assert refused_room(_pre_alloc(room=b"-1")) is None
+    unreadable_port = _pre_alloc(dtype=b"torch.int8")
+    unreadable_port[2] = b"0"
+    assert refused_room(unreadable_port) is None and refused_room([b"x"] * 6) is None
+
+
+def test_a_refusal_is_honoured_only_under_its_key():
+    key, other = wire.new_cache_key(), wire.new_cache_key()
+    msg = wire.decode(wire.encode(wire.refusal(key, 42, "gw-1", "shm segment is not a regular file")))
+    assert wire.refusal_reason(key, msg) == "shm segment is not a regular file"
+    assert wire.refusal_reason(other, msg) is None
+    assert wire.refusal_reason(key, {**msg, "room": 43}) is None
+    assert wire.refusal_reason(key, {**msg, "reason": "another"}) is None
 
 
 @pytest.mark.parametrize("room", [0, 2**63 - 1, 2**63 + 5])
@@ -140,7 +159,7 @@ def _grpc_front(ctx, intake, monkeypatch, draining=lambda: False):
     cfg = SimpleNamespace(tower="sim", tower_config="", shm_prefix="tsbound", intake=intake,
                           tokenspeed_grpc=f"127.0.0.1:{free_port()}")
     spec = SimpleNamespace(patch_dim=1176, merge=2, dtype="bfloat16", deepstack_width=0)
-    return tokenspeed_grpc.GrpcFront(ctx, cfg, spec, draining)
+    return tokenspeed_grpc.GrpcFront(ctx, cfg, spec, draining, wire.new_cache_key())
 
 
 def test_a_grpc_flood_is_turned_away_or_waits_and_every_call_ends(stalled_intake, monkeypatch):
