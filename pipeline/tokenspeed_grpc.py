@@ -295,7 +295,8 @@ class GrpcFront:
     def _send(self, msg: dict, our_segment: str | None) -> None:
         try:
             with self.lock:
-                self.push.send(wire.encode(msg))
+                # not copied into ZeroMQ again: with inline pixels it is megabytes
+                self.push.send(wire.encode(msg), copy=False)
         except zmq.Again:
             if our_segment:
                 unlink_segment(our_segment)
