@@ -19,6 +19,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 from collections import Counter, OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
@@ -34,7 +35,7 @@ MAX_FRAME_BYTES = 4096  # a pre-alloc is some 150 bytes: a peer sending more is 
 MAX_HTTP_CLIENTS = 16   # /route requests served at once; more are turned away
 HTTP_TIMEOUT_S = 5.0    # a client that sends nothing for this long is dropped
 MAX_STATUS_SOCKETS = 16  # ranks' status endpoints the frame front answers refusals on, the latest
-STATUS_LINGER_MS = 1000  # a refusal still leaving when its socket is closed
+STATUS_LINGER_S = 1.0    # a refusal still leaving when its socket is closed; no socket closes sooner after use
 DTYPES = {f"torch.{name}": name for name in wire.DTYPES}
 
 
@@ -134,7 +135,8 @@ class FrameFront:
         self.answered = 0  # refused pre-allocs answered "0"
         self._logged: set[str] = set()
         self.ctx = ctx
-        self.status: OrderedDict[str, zmq.Socket] = OrderedDict()  # endpoint -> socket, least recent first
+        # endpoint -> (socket, when last used), least recently used first
+        self.status: OrderedDict[str, tuple[zmq.Socket, float]] = OrderedDict()
         self.pull = ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.RCVHWM, wiring.SOCKET_QUEUE_FRAMES)
         self.pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
@@ -180,22 +182,25 @@ class FrameFront:
         if got is None:
             return
         room, endpoint = got
-        sock = self.status.pop(endpoint, None)
+        sock, _ = self.status.pop(endpoint, (None, 0.0))
+        now = time.monotonic()
         if sock is None:
             if len(self.status) >= MAX_STATUS_SOCKETS:
-                self.status.popitem(last=False)[1].close()
+                if now - next(iter(self.status.values()))[1] < STATUS_LINGER_S:
+                    return  # closed ones still lingering would pile up: this rank waits for its timeout
+                self.status.popitem(last=False)[1][0].close()
             try:
                 sock = self.ctx.socket(zmq.PUSH)
             except zmq.ZMQError:  # out of sockets: the rank waits for its own timeout
                 return
             sock.setsockopt(zmq.SNDHWM, wiring.SOCKET_QUEUE_FRAMES)
-            sock.setsockopt(zmq.LINGER, STATUS_LINGER_MS)
+            sock.setsockopt(zmq.LINGER, int(STATUS_LINGER_S * 1000))
             try:
                 sock.connect(endpoint)
             except zmq.ZMQError:
                 sock.close(0)
                 return
-        self.status[endpoint] = sock
+        self.status[endpoint] = (sock, now)
         try:
             sock.send_multipart([str(room).encode(), b"0", b"0"], zmq.NOBLOCK)
             self.answered += 1
@@ -213,7 +218,7 @@ class FrameFront:
         self.thread.join(5)
         self.pull.close()
         self.push.close()
-        for sock in self.status.values():
+        for sock, _ in self.status.values():
             sock.close()
 
 

@@ -274,3 +274,39 @@ def test_a_draining_worker_answers_unavailable_and_unlinks_the_segment(stalled_i
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.value.details()
     assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
     assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_refused_pre_allocs_naming_many_endpoints_open_a_bounded_number_of_sockets(stalled_intake):
+    """Each names another status endpoint: the front answers on at most MAX_STATUS_SOCKETS
+    at once and closes none sooner than its linger after use, so a flood cannot pile up
+    sockets in the worker's main process; the first ones are answered "0"."""
+    import time
+
+    import zmq
+
+    from pipeline.background import free_port
+    from pipeline.tokenspeed_front import MAX_STATUS_SOCKETS, FrameFront
+
+    ctx, intake = stalled_intake
+    status = ctx.socket(zmq.PULL)
+    status_port = status.bind_to_random_port("tcp://127.0.0.1")
+    frames_port = free_port()
+    front = FrameFront(ctx, "127.0.0.1", frames_port, intake, 0)
+    prefill = ctx.socket(zmq.PUSH)
+    prefill.connect(f"tcp://127.0.0.1:{frames_port}")
+    n = 3 * MAX_STATUS_SOCKETS
+    try:
+        for i in range(n):  # the first to our status socket, the others to ports nobody listens on
+            frame = _pre_alloc(room=str(i).encode(), dtype=b"torch.int8")
+            frame[2] = str(status_port if i == 0 else 1 + i).encode()
+            prefill.send_multipart(frame)
+        deadline = time.monotonic() + 10
+        while sum(front.dropped.values()) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert status.poll(10_000) and status.recv_multipart() == [b"0", b"0", b"0"]
+        assert sum(front.dropped.values()) == n
+        assert front.answered <= MAX_STATUS_SOCKETS and len(front.status) <= MAX_STATUS_SOCKETS
+    finally:
+        prefill.close(0)
+        status.close(0)
+        front.close()
