@@ -296,9 +296,9 @@ def test_refused_pre_allocs_naming_many_endpoints_open_a_bounded_number_of_socke
     prefill.connect(f"tcp://127.0.0.1:{frames_port}")
     n = 3 * MAX_STATUS_SOCKETS
     try:
-        for i in range(n):  # the first to our status socket, the others to ports nobody listens on
+        for i in range(n):  # the first to our status socket, the others to addresses nobody listens on
             frame = _pre_alloc(room=str(i).encode(), dtype=b"torch.int8")
-            frame[2] = str(status_port if i == 0 else 1 + i).encode()
+            frame[1:3] = [f"127.0.0.{1 + i}".encode(), str(status_port).encode()]
             prefill.send_multipart(frame)
         deadline = time.monotonic() + 10
         while sum(front.dropped.values()) < n and time.monotonic() < deadline:
