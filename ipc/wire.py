@@ -421,6 +421,34 @@ def _hash_header(modality: str, grid_thw, pixel_dtype: str) -> bytes:
                                                              *(x for g in grid_thw for x in g))
 
 
+# A room that a front in the worker's own main process refused (tokenspeed's gRPC front)
+# fails at intake with the front's reason. Not a protocol message: intake honours it only
+# under a MAC keyed with the run's cache key, which no peer holds; any other is refused
+# as a message of an unknown type.
+REFUSED = "refused"
+MAX_REFUSAL_REASON = 512
+
+
+def refusal(key: bytes, room: int, request_id: str, reason: str) -> dict:
+    reason = reason[:MAX_REFUSAL_REASON]
+    return {"v": VERSION, "type": REFUSED, "room": room, "request_id": request_id, "reason": reason,
+            "mac": _refusal_mac(key, room, reason)}
+
+
+def refusal_reason(key: bytes, msg: dict) -> str | None:
+    """The reason of a refusal made under `key`; None if `msg` is none."""
+    room, reason, mac = room_of(msg), msg.get("reason"), msg.get("mac")
+    if msg.get("type") != REFUSED or room is None or not isinstance(reason, str) or not isinstance(mac, bytes) \
+            or len(reason) > MAX_REFUSAL_REASON:
+        return None
+    return reason if secrets.compare_digest(mac, _refusal_mac(key, room, reason)) else None
+
+
+def _refusal_mac(key: bytes, room: int, reason: str) -> bytes:
+    # The prefix keeps it apart from the cache hashes under the same key (_hash_header).
+    return blake3.blake3(b"refused\0" + struct.pack("<Q", room) + reason.encode(), key=key).digest()
+
+
 def new_cache_key() -> bytes:
     return secrets.token_bytes(CACHE_KEY_BYTES)
 
