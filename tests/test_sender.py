@@ -278,14 +278,14 @@ def test_registrations_that_own_nothing_give_way_least_recently_heard_from_first
     least recently that owns no room in flight nor held alloc; one that owns something is
     passed over; the shared table says the same to a successor."""
     s, out = make_sender(tables)
-    s.max_receivers = 3
+    s.receivers.max_receivers = 3
     _register(s, "old")
     _register(s, "busy")
     _register(s, "fresh")
     _bootstrap(s, type="cancel", receiver="old", room=99)  # old is heard from again: now the most recent
     _alloc(s, "busy")  # held for a room not seen yet: busy owns something
     _register(s, "new")
-    assert list(s.receivers) == ["old", "busy", "new"] and s.receivers_evicted == 1  # fresh gave way
+    assert list(s.receivers) == ["old", "busy", "new"] and s.receivers.evicted == 1  # fresh gave way
     assert set(tables[2].load()) == {"old", "busy", "new"}
     successor, _ = make_sender(tables)
     assert set(successor.receivers) == {"old", "busy", "new"}
@@ -299,26 +299,26 @@ def test_registrations_that_own_nothing_give_way_least_recently_heard_from_first
 
 def test_a_full_table_of_receivers_that_all_own_a_room_drops_a_new_one_with_a_reason(tables):
     s, _ = make_sender(tables)
-    s.max_receivers = 2
+    s.receivers.max_receivers = 2
     for rx in ("a", "b"):
         _register(s, rx)
         _alloc(s, rx)
     _register(s, "c")
     assert set(s.receivers) == {"a", "b"}
-    assert any("each with a room in flight" in reason for reason in s.dropped), s.dropped
+    assert any("each receiver of its key has a room in flight" in reason for reason in s.dropped), s.dropped
 
 
 def test_idle_registrations_expire_unless_they_own_something(tables):
     s, _ = make_sender(tables)
-    s.registration_idle_s = 10.0
+    s.receivers.idle_s = 10.0
     _register(s, "idle")
     _register(s, "waiting")
     _alloc(s, "waiting")  # held: owns an alloc
-    s._expire_registrations(time.monotonic() + 11.0)
-    assert list(s.receivers) == ["waiting"] and s.receivers_expired == 1
+    s.receivers.expire(time.monotonic() + 11.0)
+    assert list(s.receivers) == ["waiting"] and s.receivers.expired == 1
     assert set(tables[2].load()) == {"waiting"}
     s._unhold(ROOM)  # its alloc answered: its idle time starts now
-    s._expire_registrations(time.monotonic() + 5.0)
+    s.receivers.expire(time.monotonic() + 5.0)
     assert list(s.receivers) == ["waiting"]
-    s._expire_registrations(time.monotonic() + 11.0)
+    s.receivers.expire(time.monotonic() + 11.0)
     assert not s.receivers and not tables[2].load()
