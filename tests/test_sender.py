@@ -308,6 +308,43 @@ def test_a_full_table_of_receivers_that_all_own_a_room_drops_a_new_one_with_a_re
     assert any("each receiver of its key has a room in flight" in reason for reason in s.dropped), s.dropped
 
 
+def test_a_key_past_its_share_gives_way_among_its_own_registrations_only(tables):
+    """With CurveZMQ a key holds at most max_receivers_per_key registrations: past that,
+    or with the table full, its own least recently heard from that owns nothing gives
+    way, never another key's; with none such its register is dropped."""
+    a, b = "A" * 40, "B" * 40
+
+    def register(rx, key, **over):  # with an alloc's fields in `over`, a self-describing alloc
+        msg = {"v": wire.VERSION, "type": "register", "receiver": rx, "session": "127.0.0.1:1111",
+               "status": "tcp://127.0.0.1:2222", **over}
+        s.handle("socket", wire.KeyedFrame(wire.encode(msg), key))
+
+    s, _ = make_sender(tables)
+    s.receivers.max_per_key = 2
+    s.receivers.max_receivers = 4
+    register("a1", a)
+    register("b1", b)
+    register("a2", a)
+    for n in range(3, 10):  # a's flood: a1, a2, ... give way in turn
+        register(f"a{n}", a)
+    assert set(s.receivers) == {"b1", "a8", "a9"} and s.receivers.evicted == 7
+    register("b2", b)
+    register("b3", b)  # b's own share full: b1, the oldest of b's, gives way
+    assert set(s.receivers) == {"b2", "b3", "a8", "a9"}
+    register("b1", a)  # a free id: anyone's, within a's share
+    assert set(s.receivers) == {"b2", "b3", "a9", "b1"} and s.receivers["b1"].key == a
+    for rx in ("b2", "b3"):  # held for a room not seen yet: each owns something
+        register(rx, b, type="alloc", room=ROOM, item=0, dst=4096, dst_deepstack=0, row_start=0, n_rows=4, span=4,
+                 hidden=8, dtype="bfloat16", deepstack_width=0, fanout=1)
+    register("b4", b)  # the table is full, and every one of b's owns an alloc
+    assert set(s.receivers) == {"b2", "b3", "a9", "b1"}
+    assert any("each receiver of its key has a room in flight" in reason for reason in s.dropped), s.dropped
+    assert set(tables[2].load()) == {"b2", "b3", "a9", "b1"}
+    successor, _ = make_sender(tables)
+    assert {rx: reg.key for rx, reg in successor.receivers.by_id.items()} == {
+        "b2": b, "b3": b, "a9": a, "b1": a}
+
+
 def test_idle_registrations_expire_unless_they_own_something(tables):
     s, _ = make_sender(tables)
     s.receivers.idle_s = 10.0
