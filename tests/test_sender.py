@@ -3,18 +3,23 @@ seen, and the custody it takes of what it holds."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ipc import shm, wire
 from ipc.arena import Arena
 from ipc.held import HeldAllocs
 from ipc.receivers import ReceiverTable
 from ipc.rooms import RoomTable
+from ipc.wire import Register
 from stages.base import TableCustody
 from stages.records import (OWNER_INTAKE, OWNER_SENDER, OWNER_TOWER, AllocSeen, Fence, Fenced, LateAlloc, ReadyItem,
                             RoomFailure, RoomOpened, RoomSucceeded, UnknownRoom)
 from stages.registry import INTAKE, REAPER, TOWER
+from stages.registrations import Registrations
 from stages.sender import SenderStage
 
 ROOM = 11
@@ -343,6 +348,57 @@ def test_a_key_past_its_share_gives_way_among_its_own_registrations_only(tables)
     successor, _ = make_sender(tables)
     assert {rx: reg.key for rx, reg in successor.receivers.by_id.items()} == {
         "b2": b, "b3": b, "a9": a, "b1": a}
+
+
+class _Table:
+    """The shared table's writer side, in a dict."""
+
+    def __init__(self):
+        self.rows = {}
+
+    def put(self, receiver, session, status, incarnation=None, key=""):
+        self.rows[receiver] = key
+
+    def remove(self, receiver):
+        return self.rows.pop(receiver, None) is not None
+
+
+_KEYS = ("", "A" * 40, "B" * 40, "C" * 40)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["register", "engage", "disengage"]), st.integers(0, 11),
+                          st.sampled_from(_KEYS)), max_size=200),
+       st.integers(1, 5), st.integers(1, 8))
+def test_registrations_never_give_way_across_keys(ops, per_key, total):
+    """Whatever registers, engages and lets go, in any order: a key other than '' holds
+    at most its share, the table at most its size; a register takes the place of one of
+    its own key's idle registrations (the least recently heard from) or of none, never
+    another key's; and it is refused only when all of its key's own are engaged."""
+    engaged = Counter()
+    regs = Registrations(_Table(), engaged, idle_s=3600.0, max_per_key=per_key)
+    regs.max_receivers = total
+    for now, (op, n, key) in enumerate(ops):
+        rx = f"rx-{n}"
+        if op == "engage":  # a room in flight, or an alloc held
+            if rx in regs:
+                engaged[rx] += 1
+            continue
+        if op == "disengage":
+            if engaged[rx]:
+                engaged[rx] -= 1
+            continue
+        if rx in regs and regs[rx].key != key:
+            continue  # the sender refuses an id of another key before it gets here
+        before = dict(regs.by_id)
+        idle_own = [r for r in regs.by_key.get(key, ()) if not engaged[r]]
+        problem = regs.add(Register(rx, "127.0.0.1:1", "tcp://127.0.0.1:1", None, key), float(now))
+        gone = set(before) - set(regs.by_id)
+        if problem:
+            assert not idle_own and rx not in regs and not gone, problem
+        else:
+            assert rx in regs and gone <= set(idle_own[:1]), (gone, idle_own)
+        assert len(regs) <= total and all(len(own) <= per_key for k, own in regs.by_key.items() if k)
+        assert regs.table.rows == {r: m.key for r, m in regs.by_id.items()}
 
 
 def test_idle_registrations_expire_unless_they_own_something(tables):
