@@ -88,10 +88,11 @@ class ReaperStage(Stage):
         self.concluded_by_reason = Counter()  # (outcome, reason class) -> rooms
         self.latency = Histogram()            # room opened to concluded, seconds
         self.to_mark: list[tuple[int, int, str]] = []  # (slot, room, reason): fenced, not yet Failed in the table
-        # A dead sender's rooms, failed, their `failed` held (with the receivers their fences
-        # named) until its orphaned connections have nothing left to deliver, or until
+        # A dead sender's rooms: (reason, receivers not told yet). A receiver is told once
+        # the dead process's orphaned connections carry nothing more to it, or at
         # drain_until: bytes it queued must not land in buffers a receiver reused.
-        self.draining: dict[int, set[str]] = {}
+        self.draining: dict[int, tuple[str, set[str]]] = {}
+        self.destinations: dict[str, tcp_table.Destination] = {}  # receiver -> where its bytes go
         self.drain_until = 0.0
         self._drain_at = 0.0
         self.late_bytes_waits = 0  # sender deaths that left bytes on their way, and were waited for
@@ -232,28 +233,48 @@ class ReaperStage(Stage):
         for slot, room in lost.rooms:
             code = ReasonCode.STAGE_DIED if lost.died else ReasonCode.SHUTDOWN  # "": a drain's end
             self._fail(RoomFailure(slot, room, lost.reason, code))
-            if writes_gone:
-                # No write of the sender's can start any more; what its connections had
-                # queued still lands: told once that is delivered (_tell_drained).
-                self.draining.setdefault(room, set())
+            # The process is gone: no write of its can start any more (the fence), but what
+            # its connections had queued still lands: each receiver is told once nothing
+            # more can reach it (_tell_drained).
+            audience = self._audience(room, ()) if writes_gone else None
+            if audience is not None:
+                self.draining[room] = audience
         if writes_gone and self.draining:
             now = time.monotonic()
             self.drain_until = now + LATE_BYTES_BOUND_S
             self._drain_at = now + DRAIN_POLL_S
+            self.destinations = {}
             self.waited = False
             self._tell_drained(now)
 
     def _tell_drained(self, now: float) -> None:
-        """Fence the dead sender's rooms once its orphaned connections to the receivers'
-        hosts carry nothing more (ipc/tcp_table.py), or at the bound."""
-        hosts = tcp_table.host_addresses(r.session.rpartition(":")[0] for r in self.registrations.values())
-        if now < self.drain_until and tcp_table.late_bytes(hosts):
+        """Tell the dead sender's rooms' receivers `failed`, each once its orphaned connections
+        carry nothing more to it (ipc/tcp_table.py), or at the bound."""
+        late = self._late_receivers(now)
+        if late:
             self.late_bytes_waits += not self.waited
             self.waited = True
-            return
-        draining, self.draining = self.draining, {}
-        for room, receivers in draining.items():
-            self._fenced(room, receivers)
+        for room, (reason, to) in list(self.draining.items()):
+            for r in sorted(to - late):
+                self._tell_failed(room, r, reason)
+            to &= late
+            if not to:
+                del self.draining[room]
+
+    def _late_receivers(self, now: float) -> set[str]:
+        """Registered receivers that a dead process's orphaned connections still carry bytes to."""
+        if now >= self.drain_until:
+            return set()
+        table = tcp_table.read_table()
+        orphans = tcp_table.orphaned(table)
+        if not orphans:
+            return set()
+        waiting = set().union(*(to for _, to in self.draining.values())) & set(self.registrations)
+        if waiting - set(self.destinations):
+            groups = tcp_table.port_groups(table)  # once per death: the receivers' processes do not move
+            for receiver in waiting - set(self.destinations):
+                self.destinations[receiver] = tcp_table.destination(self.registrations[receiver].session, table, groups)
+        return {receiver for receiver in waiting if self.destinations[receiver].carried(orphans)}
 
     def _registered(self, reg: Register) -> None:
         self.registrations[reg.receiver] = reg
@@ -296,7 +317,7 @@ class ReaperStage(Stage):
             self.pusher.send(receiver, wire.status_message(room, item, True, repeat=True))
         if failed or items:
             self.query_answers["repeat"] += 1
-        elif pending or room in self.reasons:
+        elif pending or room in self.reasons or room in self.draining:
             self.query_answers["none"] += 1
         else:
             self.query_answers["late"] += 1
@@ -304,19 +325,27 @@ class ReaperStage(Stage):
 
     def _fenced(self, room: int, receivers) -> None:
         if room in self.draining:  # the fence a successor answers: bytes of its predecessor may still land
-            self.draining[room].update(receivers)
+            self.draining[room][1].update(receivers)
             return
+        audience = self._audience(room, receivers)
+        if audience is not None:
+            reason, to = audience
+            for r in sorted(to):
+                self._tell_failed(room, r, reason)
+
+    def _audience(self, room: int, receivers) -> tuple[str, set[str]] | None:
+        """A fenced room's reason and the receivers to tell; None if there is nothing to tell."""
         reason = self.reasons.pop(room, None)
         if reason is None:
             entry = self._entry(room)
             if entry is not None and entry.state == RoomState.SUCCESS:
                 # A cancel (or a failure) that reached the sender after the room had
                 # succeeded: every receiver has its successes, there is nothing to tell.
-                return
+                return None
             if entry is not None and entry.state < RoomState.SUCCESS:
                 # The answer to a predecessor's fence, for a room it died before marking
                 # Failed: the record it died with comes again and fences it again.
-                return
+                return None
             reason = entry.reason if entry else "room failed"
         to = set(receivers) | self.allocated.get(room, set())
         entry = self._entry(room)
@@ -326,8 +355,7 @@ class ReaperStage(Stage):
             # so every registered receiver hears (and ignores a room it never allocated
             # for), so that none waits forever.
             to |= set(self.registrations)
-        for r in sorted(to):
-            self._tell_failed(room, r, reason)
+        return reason, to
 
     def _allocs_maybe_lost(self, entry) -> bool:
         """Could a dead sender have taken allocs for this room along? Allocs may come
@@ -346,7 +374,10 @@ class ReaperStage(Stage):
                 # Whom we told about a room we never had is remembered as long as a
                 # tombstone, and as boundedly: hostile allocs must not grow `told`.
                 self.tombstones[room] = (time.monotonic(), None)
-        elif room in self.reasons:  # failing, fence not yet answered (or bytes landing): it tells them
+        elif room in self.draining:  # a dead sender's bytes may still land: told once they did
+            self.draining[room][1].add(receiver)
+            return
+        elif room in self.reasons:  # failing, fence not yet answered: it will tell them
             self.allocated.setdefault(room, set()).add(receiver)
             return
         elif entry.state == RoomState.FAILED:
@@ -405,8 +436,8 @@ class ReaperStage(Stage):
             room, (t, slot) = next(iter(self.tombstones.items()))
             if t > now - self.tombstone_ttl_s and len(self.tombstones) <= self.max_tombstones:
                 break
-            if room in self.reasons:
-                # Still waiting for its fence: kept, and passed over, so that the rooms
+            if room in self.reasons or room in self.draining:
+                # Still waiting for its fence (or for a dead sender's bytes): kept, and passed over, so that the rooms
                 # behind it still expire (they stalled behind it, and the table filled).
                 self.tombstones.move_to_end(room)
                 passed_over += 1

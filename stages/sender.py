@@ -1,13 +1,10 @@
 """Sender: matches ready embeddings with receivers' allocs, checks them, issues writes.
 
-It owns the Mooncake engine and the bootstrap socket's messages. It never sends a
-status itself: everything a receiver should hear goes to the reaper as a record
-(the sender -> reaper records of stages/records.py), so that one place decides what
-each receiver is told, exactly once.
-
-Custody: it holds a room from its RoomOpened until the room concludes here (fenced,
-or forgotten once it succeeded), and an item that overtook its room's RoomOpened
-until the room arrives or is fenced.
+It owns the Mooncake engine and the bootstrap socket's messages, and never sends a
+status itself: what a receiver should hear goes to the reaper as a record, so that one
+place decides what each receiver is told, exactly once. Custody: a room from its
+RoomOpened until it concludes here (fenced, or forgotten once it succeeded), and an
+item that overtook its room's RoomOpened until the room arrives or is fenced.
 """
 from __future__ import annotations
 
@@ -97,17 +94,14 @@ class SenderStage(Stage):
         # Allocs for rooms not opened here yet: (since, alloc, slot in the shared held table).
         self.held_table = held
         self.held: dict[int, list[tuple[float, Alloc, int]]] = {}
-        self.n_held = 0
+        self.n_held = self.transfer_failures = self.bytes_written = 0
         self.early: dict[int, list[ReadyItem]] = {}  # items that overtook their room's RoomOpened
-        # Rooms fenced before their RoomOpened came: the reaper fences before the room
-        # table says Failed, so a RoomOpened cannot rely on the table alone. (And rooms
-        # fenced after it, so that a later alloc is answered, not held for it.)
+        # Rooms fenced before their RoomOpened came (the reaper fences before the room table
+        # says Failed), and after it, so that a later alloc is answered, not held for it.
         self.fenced_unopened: OrderedDict[int, float] = OrderedDict()  # room -> when fenced
         self.dropped = Counter()
-        self.bytes_written = 0
         self.transfer_seconds = Histogram()
         self.alloc_wait = Histogram()  # an item's embedding ready here to its allocs complete
-        self.transfer_failures = 0
         self.started_at = time.monotonic()
         self.writing: set[int] = set()  # rooms with writes in flight
         self._timeouts_at = 0.0
@@ -122,8 +116,7 @@ class SenderStage(Stage):
             self.engaged[a.receiver] += 1
         self.n_held = len(self.held_table)
 
-    def socket(self) -> tuple[str, int] | None:
-        # register/alloc/cancel are a few hundred bytes
+    def socket(self) -> tuple[str, int] | None:  # register/alloc/cancel are a few hundred bytes
         return (self.endpoint, 1 << 20) if self.endpoint else None
 
     def handle(self, source: str, rec) -> None:
@@ -145,12 +138,10 @@ class SenderStage(Stage):
         """Collect finished writes; time out what waited too long for its allocs."""
         for room in list(self.writing):
             tx = self.live.get(room)
+            if tx is not None and tx.writes:
+                self._poll_room(room, tx)
             if tx is None or not tx.writes:
                 self.writing.discard(room)
-            else:
-                self._poll_room(room, tx)
-                if not tx.writes:
-                    self.writing.discard(room)
         if now - self._timeouts_at >= 0.05:
             self._timeouts_at = now
             self._timeouts(now)
@@ -250,10 +241,7 @@ class SenderStage(Stage):
         held = self.held.pop(room, [])
         for arrival, a, _ in held:
             self._on_alloc(a, arrival)
-        for _, a, slot in held:
-            self.held_table.remove(slot)
-            self._disengage(a.receiver)
-        self.n_held -= len(held)
+        self._unheld(held)
         early = self.early.pop(room, [])
         for r in early:
             self._adopt(r)
@@ -373,9 +361,9 @@ class SenderStage(Stage):
         ds_row = self.shape.deepstack_width * self.itemsize
         main = (a.row_start * main_row, a.n_rows * main_row)  # (offset in the lease, length)
         deep = (tx.spans[item] * main_row + a.row_start * ds_row, a.n_rows * ds_row)
-        parts = [rows[off:off + n] for off, n in (main, deep)]
+        digest = wire.rows_digest([rows[off:off + n] for off, n in (main, deep)])
         if not a.n_rows:
-            self.emit(registry.REAPER, ShardWritten(room, item, a.receiver, wire.rows_digest(parts)))
+            self.emit(registry.REAPER, ShardWritten(room, item, a.receiver, digest))
             return True
         base = self.arena.address + tx.items[item].ready.lease.offset
         halves = [main, deep] if ds_row else [main]
@@ -387,9 +375,7 @@ class SenderStage(Stage):
             self.transfer_failures += 1
             self._fail(room, tx, f"transfer to receiver {a.receiver} could not start: {e}", ReasonCode.TRANSFER_ERROR)
             return False
-        # Hashed while Mooncake reads the same bytes in its threads: the lease keeps them
-        # until the write is terminal.
-        tx.writes.append(_Write(item, a.receiver, pending, time.monotonic(), wire.rows_digest(parts)))
+        tx.writes.append(_Write(item, a.receiver, pending, time.monotonic(), digest))
         self.writing.add(room)
         tx.items[item].writes_left += 1
         self.bytes_written += sum(n for _, n in halves)
@@ -534,7 +520,10 @@ class SenderStage(Stage):
 
     def _unhold(self, room: int) -> list[Alloc]:
         """The allocs held for `room`, no longer held."""
-        held = self.held.pop(room, [])
+        return self._unheld(self.held.pop(room, []))
+
+    def _unheld(self, held: list) -> list[Alloc]:
+        """`held` (taken off self.held) out of the shared table too; their allocs."""
         for _, a, slot in held:
             self.held_table.remove(slot)
             self._disengage(a.receiver)

@@ -29,9 +29,10 @@ ROWS, HIDDEN = 1024, 3584
 
 
 def queued_for(rx: StalledReceiver) -> int:
-    """Bytes orphaned connections may still deliver here (loopback: to this receiver, or
-    to another test's beside it, which only makes the wait longer)."""
-    return tcp_table.late_bytes({"127.0.0.1"})
+    """Bytes orphaned connections may still deliver to the stalled receiver."""
+    table = tcp_table.read_table()
+    dest = tcp_table.destination(rx.session, table, tcp_table.port_groups(table))
+    return dest.carried(tcp_table.orphaned(table))
 
 
 def test_no_failed_while_a_dead_senders_bytes_can_land(shm_prefix, tmp_path):
@@ -80,3 +81,44 @@ def test_no_failed_while_a_dead_senders_bytes_can_land(shm_prefix, tmp_path):
     finally:
         for obj in reversed(made):
             obj.close()
+
+
+HEADER = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+
+
+def row(local: str, remote: str, state: int, tx: int, rx: int, inode: int) -> str:
+    def addr(a):
+        ip, port = a.split(":")
+        return "".join(f"{int(x):02X}" for x in reversed(ip.split("."))) + f":{int(port):04X}"
+    return f"   0: {addr(local)} {addr(remote)} {state:02X} {tx:08X}:{rx:08X} 00:00000000 00000000 0 0 {inode}\n"
+
+
+def test_the_socket_table_counts_bytes_an_orphan_can_still_deliver_and_to_whom(tmp_path):
+    net, proc = tmp_path / "net", tmp_path / "proc"
+    (proc / "77" / "fd").mkdir(parents=True)
+    net.mkdir()
+    (proc / "77" / "fd" / "3").symlink_to("socket:[501]")  # a receiver's RPC and data ports
+    (proc / "77" / "fd" / "4").symlink_to("socket:[502]")
+    (proc / "78" / "fd").mkdir(parents=True)
+    (proc / "78" / "fd" / "3").symlink_to("socket:[505]")  # another receiver's RPC port
+    (net / "tcp").write_text(HEADER + "".join([
+        row("0.0.0.0:7000", "0.0.0.0:0", 0x0A, 0, 0, 501),            # its RPC port
+        row("0.0.0.0:7001", "0.0.0.0:0", 0x0A, 0, 0, 502),            # its data port
+        row("0.0.0.0:9000", "0.0.0.0:0", 0x0A, 0, 0, 505),            # the other's
+        row("127.0.0.1:40000", "127.0.0.1:7001", 4, 4097, 0, 0),       # an orphan: 4096 bytes and its FIN
+        row("127.0.0.1:7001", "127.0.0.1:40000", 1, 0, 300, 503),      # ... 300 more unread at the receiver
+        row("127.0.0.1:40001", "127.0.0.1:9000", 5, 0, 0, 0),          # an orphan with all acknowledged
+        row("127.0.0.1:9000", "127.0.0.1:40001", 8, 0, 1, 504),        # ... its FIN heard, not read: no byte
+        row("127.0.0.1:40002", "127.0.0.1:9100", 4, 1, 0, 0),          # an orphan with only its FIN left
+        row("127.0.0.1:40003", "10.0.0.9:7001", 1, 50, 0, 0),          # to another host
+    ]))
+    table = tcp_table.read_table(str(net))
+    orphans = tcp_table.orphaned(table)
+    assert sorted(orphans) == [(("10.0.0.9", 7001), 50), (("127.0.0.1", 7001), 4396)]
+    groups = tcp_table.port_groups(table, str(proc))
+    here = tcp_table.destination("127.0.0.1:7000", table, groups)
+    assert here.ports == {7000, 7001} and here.carried(orphans) == 4396
+    assert tcp_table.destination("127.0.0.1:9000", table, groups).carried(orphans) == 0  # another process
+    assert tcp_table.destination("127.0.0.1:9999", table, groups).carried(orphans) == 4396  # not found: any port
+    assert tcp_table.destination("10.0.0.9:7000", table, groups).carried(orphans) == 50  # elsewhere: any port
+    assert tcp_table.destination("prefill-3:7000", table, groups).addresses is None
