@@ -304,6 +304,15 @@ def _status_endpoint(msg: dict) -> str:
     return status
 
 
+def _session(msg: dict) -> str:
+    """A register's session, or a self-describing alloc's: both become a registration."""
+    session = _short_str(msg, "session")
+    if "\0" in session or len(session.encode()) > MAX_SESSION_BYTES:
+        # The receiver table keeps an incarnation after a NUL in the session's field.
+        raise ProtocolError(f"session must hold no NUL and at most {MAX_SESSION_BYTES} bytes of UTF-8")
+    return session
+
+
 def _incarnation(msg: dict) -> int | None:
     v = msg.get("incarnation")
     if v is not None and not is_u64(v):
@@ -315,11 +324,7 @@ def parse_bootstrap(msg: dict) -> Register | Alloc | Cancel | Query:
     kind = msg.get("type")
     if kind == "register":
         status = _status_endpoint(msg)
-        session = _short_str(msg, "session")
-        if "\0" in session or len(session.encode()) > MAX_SESSION_BYTES:
-            # The receiver table keeps an incarnation after a NUL in the session's field.
-            raise ProtocolError(f"session must hold no NUL and at most {MAX_SESSION_BYTES} bytes of UTF-8")
-        return Register(_short_str(msg, "receiver"), session, status, _incarnation(msg))
+        return Register(_short_str(msg, "receiver"), _session(msg), status, _incarnation(msg))
     if kind in ("cancel", "query"):
         room = room_of(msg)
         if room is None:
@@ -344,7 +349,7 @@ def parse_bootstrap(msg: dict) -> Register | Alloc | Cancel | Query:
                   msg["row_start"], msg["n_rows"], msg["span"], msg["hidden"], msg["dtype"],
                   msg["deepstack_width"], fanout, _incarnation(msg))
     if "session" in msg or "status" in msg:
-        alloc.session, alloc.status = _short_str(msg, "session"), _status_endpoint(msg)
+        alloc.session, alloc.status = _session(msg), _status_endpoint(msg)
     return alloc
 
 
