@@ -74,9 +74,10 @@ as before, and never MISSED):
   device time): images/s of a pipeline worker fed through the tokenspeed fronts (a
   gateway on smg's gRPC stubs, pixels in its own shared-memory segments; a prefill
   rank speaking tokenspeed's frames and status frames) / of one fed natively, both
-  alive together, trials alternating. Target >= 0.95.
+  alive together, trials alternating ABBA; the median over rounds of the round's
+  ratio. Target >= 0.95.
   tokenspeed_front_cpu_per_image_vs_native: CPU per image of every process, the
-  same way (best trials; no target).
+  same way (no target).
 - store_tower_work_saved, store_hit_latency_vs_local_miss (scenario store, not by
   default: benchmarks/scenarios/store.py): two pipeline workers sharing a Mooncake
   Store, every image to worker A then to worker B; the share of tower items the store

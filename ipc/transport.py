@@ -36,8 +36,6 @@ against mooncake-transfer-engine 0.3.13.post1 over TCP, and read in Mooncake's s
 """
 from __future__ import annotations
 
-import ctypes
-import functools
 import json
 import logging
 import os
@@ -47,6 +45,8 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
+from ipc import mooncake_log
+
 __all__ = ["Engine", "Pending", "TransportError"]
 
 _PROTOCOLS = ("tcp", "rdma")
@@ -54,11 +54,8 @@ _HANDSHAKE_STALL_S = 60.0          # measured: handshake with a hung peer blocks
 _SESSION_FAIL_MEMO_S = 2.0         # queued writes to a peer whose open just failed fail fast
 _POLL_SLEEP_MIN = 50e-6
 _POLL_SLEEP_MAX = 2e-3
-_GLOG_INFO, _GLOG_ERROR, _GLOG_FATAL = 0, 2, 3
 
 log = logging.getLogger("epd.transport")
-# Creating an engine sets glog's process-wide level for a moment (see _quiet_level).
-_CREATE_LOCK = threading.Lock()
 
 # Engines whose teardown would have raced a library call still in progress are
 # kept alive here instead of being destroyed under it.
@@ -70,10 +67,7 @@ class TransportError(RuntimeError):
 
 
 def _load_engine_class():
-    # The library sets glog's level from MC_LOG_LEVEL once, when it is loaded (INFO
-    # prints a line per batch); _mooncake_level() overrides it at every engine
-    # creation where glog can be found, and this is what remains where it cannot.
-    os.environ.setdefault("MC_LOG_LEVEL", "INFO" if log.isEnabledFor(logging.DEBUG) else "ERROR")
+    mooncake_log.set_level_before_loading()
     try:
         from mooncake.engine import TransferEngine
     except ImportError as e:
@@ -83,39 +77,6 @@ def _load_engine_class():
             "[cpu], [cuda12] or [cuda13] (scripts/setup.sh picks it)"
         ) from None
     return TransferEngine
-
-
-@functools.cache
-def _glog_min_level() -> ctypes.c_int | None:
-    """glog's FLAGS_minloglevel in the libglog the Mooncake library loaded (the wheel
-    bundles one under a hashed name), or None where no such library is mapped."""
-    with open("/proc/self/maps") as f:
-        paths = sorted({line.split()[-1] for line in f if "/libglog" in line})
-    for path in paths:
-        try:
-            return ctypes.c_int.in_dll(ctypes.CDLL(path), "_ZN3fLI17FLAGS_minloglevelE")
-        except (OSError, ValueError):
-            continue
-    log.debug("glog not found among the loaded libraries: Mooncake logs at MC_LOG_LEVEL")
-    return None
-
-
-def _mooncake_level() -> int:
-    """The glog level that follows this module's Python log level: everything Mooncake
-    says at DEBUG, its errors (a failed write's detail) up to ERROR, nothing above."""
-    if log.isEnabledFor(logging.DEBUG):
-        return _GLOG_INFO
-    if log.isEnabledFor(logging.ERROR):
-        return _GLOG_ERROR
-    return _GLOG_FATAL
-
-
-def _quiet_level() -> int:
-    """The glog level while an engine is created. Every healthy creation logs an
-    error-level "Local segment descriptor not found" (and, the first in a process,
-    "WARNING: Logging before InitGoogleLogging() is written to STDERR"): above DEBUG
-    nothing is let through, so an operator who greps for errors finds none."""
-    return _GLOG_INFO if log.isEnabledFor(logging.DEBUG) else _GLOG_FATAL
 
 
 def _has_rdma_devices(te) -> bool:
@@ -324,19 +285,13 @@ class Engine:
         self.backstop_s = _HANDSHAKE_STALL_S + progress + 30.0
 
         cls = _load_engine_class()
-        level = _glog_min_level()
-        with _CREATE_LOCK:
-            if level is not None:
-                level.value = _quiet_level()
+        with mooncake_log.quiet_setup():
             try:
                 te = cls()
                 rc = te.initialize(hostname, "P2PHANDSHAKE", protocol, device)
             except Exception as e:
                 raise TransportError(f"Mooncake initialize(hostname={hostname!r}, "
                                      f"protocol={protocol!r}, device={device!r}) raised {e!r}") from e
-            finally:
-                if level is not None:
-                    level.value = _mooncake_level()
         if rc != 0:
             raise TransportError(
                 f"Mooncake initialize(hostname={hostname!r}, protocol={protocol!r}, "

@@ -304,6 +304,15 @@ def _status_endpoint(msg: dict) -> str:
     return status
 
 
+def _session(msg: dict) -> str:
+    """A register's session, or a self-describing alloc's: both become a registration."""
+    session = _short_str(msg, "session")
+    if "\0" in session or len(session.encode()) > MAX_SESSION_BYTES:
+        # The receiver table keeps an incarnation after a NUL in the session's field.
+        raise ProtocolError(f"session must hold no NUL and at most {MAX_SESSION_BYTES} bytes of UTF-8")
+    return session
+
+
 def _incarnation(msg: dict) -> int | None:
     v = msg.get("incarnation")
     if v is not None and not is_u64(v):
@@ -315,11 +324,7 @@ def parse_bootstrap(msg: dict) -> Register | Alloc | Cancel | Query:
     kind = msg.get("type")
     if kind == "register":
         status = _status_endpoint(msg)
-        session = _short_str(msg, "session")
-        if "\0" in session or len(session.encode()) > MAX_SESSION_BYTES:
-            # The receiver table keeps an incarnation after a NUL in the session's field.
-            raise ProtocolError(f"session must hold no NUL and at most {MAX_SESSION_BYTES} bytes of UTF-8")
-        return Register(_short_str(msg, "receiver"), session, status, _incarnation(msg))
+        return Register(_short_str(msg, "receiver"), _session(msg), status, _incarnation(msg))
     if kind in ("cancel", "query"):
         room = room_of(msg)
         if room is None:
@@ -344,7 +349,7 @@ def parse_bootstrap(msg: dict) -> Register | Alloc | Cancel | Query:
                   msg["row_start"], msg["n_rows"], msg["span"], msg["hidden"], msg["dtype"],
                   msg["deepstack_width"], fanout, _incarnation(msg))
     if "session" in msg or "status" in msg:
-        alloc.session, alloc.status = _short_str(msg, "session"), _status_endpoint(msg)
+        alloc.session, alloc.status = _session(msg), _status_endpoint(msg)
     return alloc
 
 
@@ -419,6 +424,34 @@ def cache_hasher(key: bytes, modality: str, grid_thw, pixel_dtype: str):
 def _hash_header(modality: str, grid_thw, pixel_dtype: str) -> bytes:
     return f"{modality}|{pixel_dtype}|".encode() + struct.pack(f"<{3 * len(grid_thw)}q",
                                                              *(x for g in grid_thw for x in g))
+
+
+# A room that a front in the worker's own main process refused (tokenspeed's gRPC front)
+# fails at intake with the front's reason. Not a protocol message: intake honours it only
+# under a MAC keyed with the run's cache key, which no peer holds; any other is refused
+# as a message of an unknown type.
+REFUSED = "refused"
+MAX_REFUSAL_REASON = 512
+
+
+def refusal(key: bytes, room: int, request_id: str, reason: str) -> dict:
+    reason = reason[:MAX_REFUSAL_REASON]
+    return {"v": VERSION, "type": REFUSED, "room": room, "request_id": request_id, "reason": reason,
+            "mac": _refusal_mac(key, room, reason)}
+
+
+def refusal_reason(key: bytes, msg: dict) -> str | None:
+    """The reason of a refusal made under `key`; None if `msg` is none."""
+    room, reason, mac = room_of(msg), msg.get("reason"), msg.get("mac")
+    if msg.get("type") != REFUSED or room is None or not isinstance(reason, str) or not isinstance(mac, bytes) \
+            or len(reason) > MAX_REFUSAL_REASON:
+        return None
+    return reason if secrets.compare_digest(mac, _refusal_mac(key, room, reason)) else None
+
+
+def _refusal_mac(key: bytes, room: int, reason: str) -> bytes:
+    # The prefix keeps it apart from the cache hashes under the same key (_hash_header).
+    return blake3.blake3(b"refused\0" + struct.pack("<Q", room) + reason.encode(), key=key).digest()
 
 
 def new_cache_key() -> bytes:

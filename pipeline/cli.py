@@ -80,6 +80,9 @@ def serve(cfg: WorkerConfig, mode: str) -> int:
         print(f"error: the worker could not start: {e}", file=sys.stderr)
         return 3
     print("stopped" if code == 0 else f"error: {started[0].fatal}", flush=True)
+    from stages.store_tier import end_process_if_abandoned
+
+    end_process_if_abandoned(code)  # a store client whose master is gone: no exit handlers
     return code
 
 

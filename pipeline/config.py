@@ -149,8 +149,12 @@ class WorkerConfig:
                                                 "for the next status)")
     registration_idle_s: float = setting(3600.0, "a receiver registration that owns no room in flight and "
                                                  "sent nothing this long expires (the receiver registers "
-                                                 "again); when the table is full, the least recently heard "
-                                                 "from of those gives way at once")
+                                                 "again); when the table or its key's share is full, the "
+                                                 "least recently heard from of its key's gives way at once")
+    max_receivers_per_key: int = setting(64, "with CurveZMQ, receiver registrations one client key may hold "
+                                             "(a prefill host's ranks, and room to re-register): past it a new "
+                                             "one takes the place of that key's own least recently heard from "
+                                             "that owns no room, never another key's")
     max_deadline_s: float = setting(3600.0, "a request's deadline_ms is capped at this many seconds after it "
                                             "arrives (the room fails then, saying so)")
     ring_bytes: int = size_setting(8 << 20, "pipeline: size of each ring between two stages")
@@ -196,6 +200,13 @@ class WorkerConfig:
         if bool(self.curve_cert) != bool(self.curve_clients):
             raise ConfigError("curve_cert and curve_clients go together: set both for CurveZMQ, or neither",
                               "curve_cert" if not self.curve_cert else "curve_clients")
+        for name in ("tokenspeed_grpc", "tokenspeed_bootstrap"):
+            if self.curve_cert and getattr(self, name):
+                # The fronts would pass unauthenticated peers in under one key of their own.
+                raise ConfigError(f"{name} cannot be combined with curve_cert: tokenspeed's wire has no "
+                                  f"authentication, and with CurveZMQ every peer must have a key of its own. "
+                                  f"Serve tokenspeed from a worker without CurveZMQ (loopback, or "
+                                  f"allow_insecure_network on a private network)", name)
         if self.curve_cert:
             from pipeline.curve import ServerKeys  # zmq.auth: only where CURVE is asked for
 
@@ -232,7 +243,7 @@ class WorkerConfig:
             "max_items_per_request", "max_pixel_bytes_per_request", "max_tokens_per_batch",
             "max_items_per_batch", "pixel_arena_bytes", "embedding_arena_bytes",
             "max_tombstones", "max_live_rooms", "max_held_allocs", "status_hwm", "ring_bytes",
-            "max_status_sockets",
+            "max_status_sockets", "max_receivers_per_key",
             "restart_limit",
         ]
         for name in positive:

@@ -51,7 +51,7 @@ class InProcessWorker:
                 self.loop.settle(stage)
             if self.cfg.metrics_endpoint:
                 self.metrics = MetricsServer(self.cfg.metrics_endpoint, self.metrics_snapshot, self.serving.health)
-            self.fronts = start_fronts(self.cfg, self.spec, lambda: self.serving.draining)
+            self.fronts = start_fronts(self.cfg, self.spec, self.run_id, lambda: self.serving.draining)
         except BaseException:
             self.close()
             raise

@@ -18,7 +18,7 @@ from pipeline.config import WorkerConfig, setup_logging
 from pipeline.loop import Env, Loop, RingChannel
 from pipeline.runtime import SHUTTING_DOWN, SignalFlag
 from stages.base import TableCustody
-from stages import registry
+from stages import registry, store_tier
 
 log = logging.getLogger("epd.stage")
 
@@ -50,6 +50,7 @@ def stage_process(name: str, cfg_kwargs: dict, run_id: str, spec_kwargs: dict | 
         # Interpreter teardown resets Python's handlers to the default: a second SIGTERM
         # from the supervisor's stop would then end a stage that closed cleanly with -15.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    store_tier.end_process_if_abandoned(0)  # a store client whose master is gone: no exit handlers
 
 
 def _die_with_parent() -> None:

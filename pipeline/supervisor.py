@@ -165,7 +165,7 @@ class Supervisor:
                 proc, conn = self._spawn(name)
                 self.procs[name] = proc
                 self._await_ready(name, proc, conn, self.cfg.start_timeout_s)
-            self.fronts = start_fronts(self.cfg, self.spec, lambda: self.serving.draining)
+            self.fronts = start_fronts(self.cfg, self.spec, self.run_id, lambda: self.serving.draining)
         except BaseException:
             self._stop_processes(0.0)
             raise

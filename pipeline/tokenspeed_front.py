@@ -19,7 +19,8 @@ import logging
 import socket
 import struct
 import threading
-from collections import Counter
+import time
+from collections import Counter, OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
@@ -33,6 +34,8 @@ log = logging.getLogger("epd.tokenspeed")
 MAX_FRAME_BYTES = 4096  # a pre-alloc is some 150 bytes: a peer sending more is cut off
 MAX_HTTP_CLIENTS = 16   # /route requests served at once; more are turned away
 HTTP_TIMEOUT_S = 5.0    # a client that sends nothing for this long is dropped
+MAX_STATUS_SOCKETS = 16  # ranks' status endpoints the frame front answers refusals on, the latest
+STATUS_LINGER_S = 1.0    # a refusal still leaving when its socket is closed; no socket closes sooner after use
 DTYPES = {f"torch.{name}": name for name in wire.DTYPES}
 
 
@@ -80,6 +83,19 @@ def _receiver(parts: list[bytes]) -> dict:
             "status": wire.TOKENSPEED_STATUS + endpoint}
 
 
+def refused_room(parts: list[bytes]) -> tuple[int, str] | None:
+    """The room and status endpoint (as the sender would take it) of a pre-alloc that
+    translate refused, where both can be read: its rank is answered "0" there."""
+    if len(parts) != 13:
+        return None
+    try:
+        room = _ascii_int(parts[0], "room")
+        receiver = wire.parse_bootstrap({"v": wire.VERSION, "type": "register", **_receiver(parts)})
+    except (FrameError, wire.ProtocolError):
+        return None
+    return room, receiver.status.removeprefix(wire.TOKENSPEED_STATUS)
+
+
 def translate(parts: list[bytes], deepstack_width: int) -> dict:
     """One tokenspeed frame as the native bootstrap message it means; FrameError if it is
     neither a registration nor a pre-alloc."""
@@ -116,7 +132,11 @@ class FrameFront:
         self.deepstack_width = deepstack_width
         self.dropped = Counter()
         self.forwarded = 0
+        self.answered = 0  # refused pre-allocs answered "0"
         self._logged: set[str] = set()
+        self.ctx = ctx
+        # endpoint -> (socket, when last used), least recently used first
+        self.status: OrderedDict[str, tuple[zmq.Socket, float]] = OrderedDict()
         self.pull = ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.RCVHWM, wiring.SOCKET_QUEUE_FRAMES)
         self.pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
@@ -145,6 +165,7 @@ class FrameFront:
                 msg = translate(parts, self.deepstack_width)
             except FrameError as e:
                 self._drop(str(e))
+                self._answer_refused(parts)
                 continue
             while not self.stopping:  # the sender not reading: wait, and so push back
                 try:
@@ -153,6 +174,38 @@ class FrameFront:
                     break
                 except zmq.Again:
                     self.push.poll(100, zmq.POLLOUT)
+
+    def _answer_refused(self, parts: list[bytes]) -> None:
+        """A refused pre-alloc's rank hears "0" now rather than at its own timeout (no room
+        of ours names it: the worker never saw this pre-alloc)."""
+        got = refused_room(parts)
+        if got is None:
+            return
+        room, endpoint = got
+        sock, _ = self.status.pop(endpoint, (None, 0.0))
+        now = time.monotonic()
+        if sock is None:
+            if len(self.status) >= MAX_STATUS_SOCKETS:
+                if now - next(iter(self.status.values()))[1] < STATUS_LINGER_S:
+                    return  # closed ones still lingering would pile up: this rank waits for its timeout
+                self.status.popitem(last=False)[1][0].close()
+            try:
+                sock = self.ctx.socket(zmq.PUSH)
+            except zmq.ZMQError:  # out of sockets: the rank waits for its own timeout
+                return
+            sock.setsockopt(zmq.SNDHWM, wiring.SOCKET_QUEUE_FRAMES)
+            sock.setsockopt(zmq.LINGER, int(STATUS_LINGER_S * 1000))
+            try:
+                sock.connect(endpoint)
+            except zmq.ZMQError:
+                sock.close(0)
+                return
+        self.status[endpoint] = (sock, now)
+        try:
+            sock.send_multipart([str(room).encode(), b"0", b"0"], zmq.NOBLOCK)
+            self.answered += 1
+        except zmq.Again:  # a rank that does not read: it waits for its own timeout
+            pass
 
     def _drop(self, reason: str) -> None:
         wire.count_reason(self.dropped, reason)
@@ -165,6 +218,8 @@ class FrameFront:
         self.thread.join(5)
         self.pull.close()
         self.push.close()
+        for sock, _ in self.status.values():
+            sock.close()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -264,7 +319,8 @@ class BootstrapFront:
 
     def stats(self) -> dict:
         return {"tokenspeed_frames_forwarded": self.frames.forwarded,
-                "tokenspeed_frames_dropped": dict(self.frames.dropped)}
+                "tokenspeed_frames_dropped": dict(self.frames.dropped),
+                "tokenspeed_pre_allocs_answered_failed": self.frames.answered}
 
     def close(self) -> None:
         self.http.shutdown()
@@ -276,7 +332,7 @@ class Fronts:
     """The tokenspeed fronts a configuration asks for, started once the stages serve (so
     that /route answers completely from its first answer) and closed before them."""
 
-    def __init__(self, cfg, spec, draining=lambda: False):
+    def __init__(self, cfg, spec, run_id: str, draining=lambda: False):
         self.ctx = zmq.Context()
         self.bootstrap = self.grpc = None
         try:
@@ -286,10 +342,13 @@ class Fronts:
             if cfg.tokenspeed_grpc:
                 try:
                     from pipeline.tokenspeed_grpc import GrpcFront
+                    from stages.embedding_cache import cache_key
                 except ImportError as e:
                     raise RuntimeError(f"tokenspeed_grpc needs grpcio and tokenspeed's proto package ({e}): "
                                        f"pip install 'epd-encode-worker[tokenspeed]'") from None
-                self.grpc = GrpcFront(self.ctx, cfg, spec, draining)
+                # Intake's key: a room the front refuses fails there with the front's reason.
+                key = cache_key(cfg.cache_key_file, cfg.shm_prefix, run_id)
+                self.grpc = GrpcFront(self.ctx, cfg, spec, draining, key)
         except BaseException:
             self.close()
             raise
@@ -309,8 +368,8 @@ class Fronts:
         self.ctx.term()
 
 
-def start_fronts(cfg, spec, draining=lambda: False) -> Fronts | None:
+def start_fronts(cfg, spec, run_id: str, draining=lambda: False) -> Fronts | None:
     """The fronts `cfg` asks for, serving; None when it asks for none."""
     if not (cfg.tokenspeed_bootstrap or cfg.tokenspeed_grpc):
         return None
-    return Fronts(cfg, spec, draining)
+    return Fronts(cfg, spec, run_id, draining)

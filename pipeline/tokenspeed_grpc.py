@@ -196,8 +196,9 @@ class HealthServicer(health.HealthServicer):
 
 
 class GrpcFront:
-    def __init__(self, ctx: zmq.Context, cfg, spec, draining):
+    def __init__(self, ctx: zmq.Context, cfg, spec, draining, refusal_key: bytes):
         self.cfg, self.spec, self.draining = cfg, spec, draining
+        self.refusal_key = refusal_key
         self.model = f"{cfg.tower}:{cfg.tower_config}" if cfg.tower_config else cfg.tower
         self.prefix = cfg.shm_prefix
         self.started = time.monotonic()
@@ -294,7 +295,8 @@ class GrpcFront:
     def _send(self, msg: dict, our_segment: str | None) -> None:
         try:
             with self.lock:
-                self.push.send(wire.encode(msg))
+                # not copied into ZeroMQ again: with inline pixels it is megabytes
+                self.push.send(wire.encode(msg), copy=False)
         except zmq.Again:
             if our_segment:
                 unlink_segment(our_segment)
@@ -302,11 +304,9 @@ class GrpcFront:
                                                        f"{SEND_TIMEOUT_S:g} s") from None
 
     def _fail_room(self, room: int, request_id: str, reason: str) -> None:
-        """A room refused here fails there too, so that its prefill ranks hear "0" now
-        rather than at their own timeout: an encode of no items, which intake refuses."""
-        log.warning("tokenspeed Encode for room %d refused: %s", room, reason)
-        msg = {"v": wire.VERSION, "type": "encode", "request_id": request_id[:wire.MAX_REQUEST_ID] or "tokenspeed",
-               "room": room, "items": []}
+        """A room refused here fails there too, with this reason, so that its prefill ranks
+        hear "0" now rather than at their own timeout (intake logs and counts it)."""
+        msg = wire.refusal(self.refusal_key, room, request_id[:wire.MAX_REQUEST_ID] or "tokenspeed", reason)
         try:
             self._send(msg, None)
         except Refused:

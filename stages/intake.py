@@ -166,6 +166,10 @@ class IntakeStage(Stage):
             return None
         rid = msg.get("request_id") if isinstance(msg.get("request_id"), str) else ""
         rid = rid[: wire.MAX_REQUEST_ID]
+        refused = wire.refusal_reason(self.content_key, msg) if msg.get("type") == wire.REFUSED else None
+        if refused is not None:  # a front of this worker refused the room: its reason
+            self._fail_new_room(room, rid, refused, ReasonCode.BAD_REQUEST)
+            return None
         try:
             req, spans = self._check(msg, arrival)
         except ProtocolError as e:

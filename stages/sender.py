@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ipc.arena import Arena, StaleLease
 from ipc.held import HeldAllocs
-from ipc.receivers import MAX_RECEIVERS, ReceiverTable
+from ipc.receivers import ReceiverTable
 from ipc.rooms import RoomState, RoomTable
 from ipc import wire
 from ipc.stats import Histogram, ReasonCode
@@ -26,6 +26,7 @@ from stages.base import POLL_S, Stage
 from stages.records import (OWNER_SENDER, AllocSeen, Fence, Fenced, ItemDone, LateAlloc,
                             Queried, ReadyItem, Registered, RoomFailure, RoomOpened, RoomSucceeded,
                             ShardWritten, UnknownRoom)
+from stages.registrations import Registrations
 
 log = logging.getLogger("epd.sender")
 
@@ -76,25 +77,19 @@ class SenderStage(Stage):
     def __init__(self, emit, custody=None, *, arena: Arena, engine, rooms: RoomTable,
                  registrations: ReceiverTable, held: HeldAllocs, hidden: int, dtype: str, deepstack_width: int,
                  bootstrap_timeout_s: float, max_held_allocs: int, endpoint: str = "",
-                 registration_idle_s: float = 3600.0, max_receivers: int | None = None):
+                 registration_idle_s: float = 3600.0, max_receivers_per_key: int = 64):
         super().__init__(emit, custody)
         self.arena = arena
         self.engine = engine
         self.rooms = rooms
-        self.registrations = registrations
         self.shape = RowShape(hidden, dtype, deepstack_width)
         self.itemsize = wire.DTYPES[dtype]
         self.bootstrap_timeout_s = bootstrap_timeout_s
         self.max_held_allocs = max_held_allocs
         self.endpoint = endpoint
-        # Registrations, least recently heard from first; those that own no live room (nor
-        # held alloc) expire after registration_idle_s, and give way when the table is full.
-        self.receivers: OrderedDict[str, Register] = OrderedDict()
-        self.heard_at: dict[str, float] = {}
         self.engaged = Counter()  # receiver -> its rooms in flight here and allocs held
-        self.registration_idle_s = registration_idle_s
-        self.max_receivers = MAX_RECEIVERS if max_receivers is None else max_receivers
-        self.receivers_expired = self.receivers_evicted = 0
+        self.receivers = Registrations(registrations, self.engaged, idle_s=registration_idle_s,
+                                       max_per_key=max_receivers_per_key)
         self.live: dict[int, _RoomTx] = {}
         # Allocs for rooms not opened here yet: (since, alloc, slot in the shared held table).
         self.held_table = held
@@ -115,10 +110,7 @@ class SenderStage(Stage):
     def start(self) -> None:
         """A predecessor's registrations and held allocs, if there was one: they outlive it
         (and the reaper) in shared memory."""
-        now = time.monotonic()  # how recently a predecessor heard from them died with it
-        for rx, reg in self.registrations.registrations().items():
-            self.receivers[rx] = reg
-            self.heard_at[rx] = now
+        self.receivers.load(time.monotonic())
         for slot, since, a in self.held_table.load():
             self.held.setdefault(a.room, []).append((since, a, slot))
             self.engaged[a.receiver] += 1
@@ -153,7 +145,7 @@ class SenderStage(Stage):
         if now - self._timeouts_at >= 0.05:
             self._timeouts_at = now
             self._timeouts(now)
-            self._expire_registrations(now)
+            self.receivers.expire(now)
 
     def next_tick_in(self, now: float) -> float | None:
         # Writes complete in Mooncake's threads: poll them, yielding the core meanwhile.
@@ -165,8 +157,8 @@ class SenderStage(Stage):
         return {"sender_dropped": dict(self.dropped), "bytes_written": self.bytes_written,
                 "sender_live_rooms": len(self.live), "sender_held_allocs": self.n_held,
                 "sender_early_items": sum(len(v) for v in self.early.values()),
-                "receivers_registered": len(self.receivers), "receivers_expired": self.receivers_expired,
-                "receivers_evicted": self.receivers_evicted,
+                "receivers_registered": len(self.receivers), "receivers_expired": self.receivers.expired,
+                "receivers_evicted": self.receivers.evicted,
                 "transfer_seconds": self.transfer_seconds.snapshot(), "transfer_failures": self.transfer_failures,
                 "alloc_wait_seconds": self.alloc_wait.snapshot()}
 
@@ -198,7 +190,7 @@ class SenderStage(Stage):
         if m.receiver not in self.receivers:
             self._drop(f"{type(m).__name__.lower()} from unregistered receiver")
             return
-        self._heard(m.receiver, now)
+        self.receivers.heard(m.receiver, now)
         if isinstance(m, Cancel):
             self._on_cancel(m)
         elif isinstance(m, Query):  # pending: its status is still to come, never "unknown room"
@@ -212,33 +204,11 @@ class SenderStage(Stage):
             self._on_alloc(m, now)
 
     def _on_register(self, m: Register, now: float) -> None:
-        if m.receiver not in self.receivers and len(self.receivers) >= self.max_receivers:
-            # Anyone who reaches the bootstrap socket can register: the table is bounded,
-            # and the registration heard from least recently that owns nothing gives way.
-            idle = next((rx for rx in self.receivers if not self.engaged[rx]), None)
-            if idle is None:
-                self._drop(f"register: {self.max_receivers} receivers are registered already, "
-                           f"each with a room in flight")
-                return
-            self._unregister(idle)
-            self.receivers_evicted += 1
-        # In shared memory before anyone hears of it, so a restarted sender or reaper
-        # knows every receiver that may send an alloc or wait for a status.
-        self.registrations.put(m.receiver, m.session, m.status, m.incarnation, m.key)
-        self.receivers[m.receiver] = m
-        self._heard(m.receiver, now)
+        problem = self.receivers.add(m, now)
+        if problem:
+            self._drop(problem)
+            return
         self.emit(registry.REAPER, Registered(m))
-
-    def _heard(self, receiver: str, now: float) -> None:
-        self.heard_at[receiver] = now
-        self.receivers.move_to_end(receiver)
-
-    def _unregister(self, receiver: str) -> None:
-        """Out of the shared table first: a successor must not bring it back."""
-        self.registrations.remove(receiver)
-        del self.receivers[receiver]
-        self.heard_at.pop(receiver, None)
-        self.engaged.pop(receiver, None)
 
     def _disengage(self, receiver: str) -> None:
         """One room or held alloc of `receiver` less: with none left, its idle time starts now."""
@@ -247,22 +217,7 @@ class SenderStage(Stage):
             return
         self.engaged.pop(receiver, None)
         if receiver in self.receivers:
-            self._heard(receiver, time.monotonic())
-
-    def _expire_registrations(self, now: float) -> None:
-        """Registrations heard from least recently first: those idle past
-        registration_idle_s that own nothing expire; one that still owns a room is
-        passed over (as heard from now: its room will end, and its idle time with it)."""
-        limit = now - self.registration_idle_s
-        while self.receivers:
-            receiver = next(iter(self.receivers))
-            if self.heard_at[receiver] >= limit:
-                return
-            if self.engaged[receiver]:
-                self._heard(receiver, now)
-                continue
-            self._unregister(receiver)
-            self.receivers_expired += 1
+            self.receivers.heard(receiver, time.monotonic())
 
     def _on_opened(self, opened: RoomOpened) -> None:
         room = opened.room
@@ -596,4 +551,5 @@ def build(env, name, emit, custody) -> SenderStage:
                        registrations=sh.receivers, held=sh.held, hidden=spec.hidden, dtype=spec.dtype,
                        deepstack_width=spec.deepstack_width, bootstrap_timeout_s=cfg.bootstrap_timeout_s,
                        max_held_allocs=cfg.max_held_allocs, endpoint=cfg.bootstrap,
-                       registration_idle_s=cfg.registration_idle_s)
+                       registration_idle_s=cfg.registration_idle_s,
+                       max_receivers_per_key=cfg.max_receivers_per_key)

@@ -21,6 +21,17 @@ Connection
     client's own set-up blocks for a long time against a master that is not there),
     and again after a failed set-up; once set up, the client finds a restarted master
     by itself.
+
+Closing
+    The client's close unmounts this worker's segment from the master (its entries leave
+    the store) and holds the GIL while it waits: against a master that is gone it holds
+    the whole process for many seconds, and so does the client's destructor, and the
+    exit handler Mooncake registers, which closes every client left open. So ``close``
+    first asks the master something on a thread, with a bound (``CLOSE_S``): a master
+    that answers is told of the close; a client whose master does not is abandoned
+    (kept, never closed nor destroyed), and the process ends by
+    ``end_process_if_abandoned``, past every exit handler: the OS frees the client's
+    memory and the master drops its segment when the client's lease lapses.
 """
 from __future__ import annotations
 
@@ -29,6 +40,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections import deque
@@ -37,6 +49,7 @@ from dataclasses import asdict, dataclass
 import blake3
 import numpy as np
 
+from ipc import mooncake_log
 from ipc.stats import Histogram
 
 log = logging.getLogger(__name__)
@@ -45,8 +58,27 @@ DIGEST_BYTES = 32
 NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
 MAX_ASKS = 64  # asks in flight at most; more are misses at once
 MAX_PUTS = 32  # puts queued at most (each holds its rows in the arena); more are dropped and counted
+# A put call older than this is stuck (a stalled master). Not the lookup deadline: a put
+# holds no room, and on a busy host a healthy one can outlast a deadline made for rooms.
+PUT_STUCK_S = 1.0
 RETRY_S = 1.0  # between attempts to reach the master
 SAMPLES, SAMPLE_BYTES = 16, 64 << 10  # of each weight file, for a checkpoint's digest
+CLOSE_S = 1.0  # what a close waits for the threads and the master's answer, at most
+PROBE_NAME = "epd/close-probe"  # what close asks the master about (a lookup, no entry)
+# Clients whose master did not answer at close (see Closing above).
+ABANDONED: list = []
+
+
+def end_process_if_abandoned(code: int) -> None:
+    """End this process now with `code` where a store client was abandoned, past Python's
+    and the C runtime's exit handlers (Mooncake's would close it, waiting on the master);
+    else return. Called by a process's main once everything else is closed."""
+    if not ABANDONED:
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @dataclass(frozen=True)
@@ -101,6 +133,7 @@ class StoreTier:
         self.secret = secret
         self.client_factory = client_factory or _mooncake_client
         self.client = None
+        self.connecting = None  # the client being set up, until it is (or fails)
         # What the store's values are fetched into: registered with the client once set up.
         self.buffer = np.empty(settings.buffer_bytes, np.uint8)
         self.closing = threading.Event()
@@ -183,12 +216,12 @@ class StoreTier:
     def put(self, key: tuple, view: memoryview, token) -> bool:
         """Queue `view` (the rows of `key`) for the store; `token` comes back out of `done`
         once the put thread has copied `view`. False: not queued (counted): not connected,
-        too many queued, rows larger than the buffer, or a put stuck past the deadline (a
-        stalled master: rows queued behind it would hold their leases)."""
+        too many queued, rows larger than the buffer, or a put stuck (PUT_STUCK_S: a stalled
+        master; rows queued behind it would hold their leases)."""
         since = self.putting_since
         if (not self.connected() or self.puts_queued >= MAX_PUTS
                 or len(view) + DIGEST_BYTES > self.buffer.nbytes
-                or (since is not None and time.monotonic() - since > self.settings.get_timeout_s)):
+                or (since is not None and time.monotonic() - since > PUT_STUCK_S)):
             self.counts["put_dropped"] += 1
             return False
         self.puts_queued += 1
@@ -216,22 +249,44 @@ class StoreTier:
                 "store_get_seconds": self.get_seconds.snapshot()}
 
     def close(self) -> list:
-        """Stop the threads; the tokens of every put not done (their views are no longer read)."""
-        self.closing.set()
-        with self.lock:
+        """Stop the threads and close the client, each within CLOSE_S (see Closing); the
+        tokens of every put not done (their views are no longer read)."""
+        with self.lock:  # a client the connecting thread sets up from now on is not published
+            self.closing.set()
             self.wake_get.notify_all()
             self.wake_put.notify_all()
+        end = time.monotonic() + CLOSE_S
         for t in self.threads:
-            t.join(self.settings.get_timeout_s + 1.0)
+            t.join(max(0.0, end - time.monotonic()))
         left = self.done() + [token for _, _, token in self.put_queue]
         self.put_queue.clear()
         client, self.client = self.client, None
-        if client is not None:
-            try:
-                client.close()  # unmounts this worker's segment: its entries leave the store
-            except Exception as e:
-                log.warning("store: closing the client: %s", e)
+        if self.threads[0].is_alive():  # inside the client's set-up (or about to be)
+            ABANDONED.append(self.connecting)
+        if client is None:
+            return left
+        if not self._master_answers(client, end):
+            log.warning("store: the master at %s does not answer: leaving without unmounting this "
+                        "worker's segment (the master drops it when the client's lease lapses)",
+                        self.settings.master)
+            ABANDONED.append(client)
+            return left
+        try:
+            client.close()  # unmounts this worker's segment: its entries leave the store
+        except Exception as e:
+            log.warning("store: closing the client: %s", e)
         return left
+
+    @staticmethod
+    def _master_answers(client, end: float) -> bool:
+        """Whether a lookup of the master's is answered by `end` (on a thread: a lookup,
+        unlike a close, lets the GIL go while it waits)."""
+        got: list = []
+        probe = threading.Thread(target=lambda: got.append(client.is_exist(PROBE_NAME)),
+                                 name="store-close-probe", daemon=True)
+        probe.start()
+        probe.join(max(0.0, end - time.monotonic()))
+        return bool(got) and got[0] >= 0  # 0 or 1; an error is negative
 
     # -- the threads -------------------------------------------------------
 
@@ -250,17 +305,25 @@ class StoreTier:
             except OSError:
                 self.closing.wait(RETRY_S)
                 continue
+            if self.closing.is_set():
+                return
             try:
-                client = self.client_factory()
-                rc = client.setup(s.hostname, s.metadata, s.segment_bytes, s.buffer_bytes, s.protocol,
-                                  s.device, s.master)
+                client = self.connecting = self.client_factory()
+                with mooncake_log.quiet_setup():
+                    rc = client.setup(s.hostname, s.metadata, s.segment_bytes, s.buffer_bytes, s.protocol,
+                                      s.device, s.master)
                 if rc == 0:
                     rc = client.register_buffer(self.buffer.ctypes.data, self.buffer.nbytes)
             except Exception as e:  # not installed, a setting it refuses: said once, local tiers only
                 log.error("store: cannot set up a Mooncake Store client (%s); serving without the store", e)
                 return
+            with self.lock:
+                if self.closing.is_set():  # close has abandoned it (self.connecting)
+                    return
+                self.connecting = None
+                if rc == 0:
+                    self.client = client
             if rc == 0:
-                self.client = client
                 log.info("store: connected to the master at %s", s.master)
                 return
             log.warning("store: setting up the client against %s failed (%s); trying again", s.master, rc)
@@ -337,6 +400,7 @@ class StoreTier:
 
 
 def _mooncake_client():
+    mooncake_log.set_level_before_loading()
     from mooncake.store import MooncakeDistributedStore
 
     return MooncakeDistributedStore()

@@ -43,6 +43,11 @@ def shm_prefix():
     assert not left, f"test left shared-memory objects behind: {left}"
 
 
+def pytest_collection_modifyitems(session, config, items):
+    # xdist hands tests out in this order: the longest first, not last beside an idle worker.
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 def pytest_sessionstart(session):
     session.config._shm_before = _shm_entries()
 

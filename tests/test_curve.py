@@ -209,6 +209,41 @@ def test_a_receiver_id_is_its_first_keys(curved, certs):
     serve_one(client, owner, next(_rooms), 3)  # still registered where it said
 
 
+FLOOD = 4200  # past the shared table's 4,096 registrations: before the per-key bound, another key's gave way
+
+
+def test_one_keys_flood_never_evicts_another_keys_registration(curved, certs):
+    """An admitted key registers thousands of ids, then names another key's idle receiver
+    in a register and in a self-describing alloc: its flood gives way among its own
+    registrations only (max_receivers_per_key), the other key's registration stays,
+    both attempts on its id are refused, and its owner is served. (Before: the flood
+    pushed the owner's idle registration out of the full table and the thief's register
+    took the id.)"""
+    w = curved()
+    made = curved.made
+    client = Client(w.cfg.intake, None, **peer(certs, "gateway"))
+    owner = Receiver("victim", w.cfg.bootstrap, buffer_bytes=4 << 20, **peer(certs, "rx"))
+    made += [client, owner]
+    serve_one(client, owner, next(_rooms), 1)  # registered, and now idle
+    thief = Pusher(w.cfg.bootstrap, curve.peer_keys(certs["other"], certs["worker_public"]))
+    made.append(thief)
+    send = lambda msg: thief.sock.send(wire.encode(msg))  # noqa: E731 (waits for room: every message counts)
+    reg = {"v": 1, "type": "register", "session": "127.0.0.1:1", "status": "tcp://127.0.0.1:1"}
+    for n in range(FLOOD):
+        send({**reg, "receiver": f"flood-{n}"})
+    send({**reg, "receiver": "victim"})
+    send({**reg, "type": "alloc", "receiver": "victim", "room": next(_rooms), "item": 0, "dst": 4096,
+                "dst_deepstack": 8192, "row_start": 0, "n_rows": 4, "fanout": 1, "incarnation": 1, **SPAN4})
+    send({"v": 1, "type": "the end"})  # read in order: the whole flood was read before it
+    wait_for(lambda: dropped(w, "bootstrap message: bootstrap takes") == 1, 60, "the flood was not read")
+    stats = w.stats()
+    assert dropped(w, "register naming a receiver registered under another key") == 1, stats["sender_dropped"]
+    assert dropped(w, "alloc naming a receiver registered under another key") == 1, stats["sender_dropped"]
+    per_key = w.cfg.max_receivers_per_key
+    assert stats["receivers_registered"] == 1 + per_key and stats["receivers_evicted"] == FLOOD - per_key, stats
+    serve_one(client, owner, next(_rooms), 2)
+
+
 def test_a_receivers_status_socket_admits_the_worker_alone(certs):
     """Statuses come from the worker's key only: another admitted peer's key, and a peer
     without CURVE, never reach the receiver."""
@@ -272,6 +307,23 @@ def test_off_loopback_passes_with_the_flag_or_curve(how, shm_prefix, tmp_path, c
         assert code == 2 and "holds no secret key" in err, err
     else:
         assert code == 3 and "could not start" in err and "is not loopback" not in err, (code, err)
+
+
+@pytest.mark.parametrize("front", ["tokenspeed_bootstrap", "tokenspeed_grpc"])
+def test_a_tokenspeed_front_with_curve_is_refused_and_says_why(front, shm_prefix, tmp_path, certs, capsys,
+                                                               monkeypatch):
+    """tokenspeed's wire has no keys: its fronts would let unauthenticated peers in past
+    CURVE, so the combination is refused at the start (exit 2), naming the setting.
+    (Before: the worker served, and the fronts' frames were refused at CURVE's handshake
+    without a word.)"""
+    for name in [n for n in os.environ if n.startswith("EPD_")]:
+        monkeypatch.delenv(name)
+    argv = _serve_argv(shm_prefix, tmp_path, f"tcp://127.0.0.1:{free_port()}", "--curve-cert", certs["worker"],
+                       "--curve-clients", certs["clients"], f"--{front.replace('_', '-')}",
+                       f"127.0.0.1:{free_port()}")
+    code, err = _exits(argv, capsys)
+    err = " ".join(err.split())
+    assert code == 2 and f"{front} cannot be combined with curve_cert" in err, (code, err)
 
 
 def test_certificate_files_are_checked_where_they_are_given(certs, tmp_path):

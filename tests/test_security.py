@@ -472,9 +472,9 @@ def test_registered_receivers_are_bounded(env, monkeypatch):
     gave way is served again once it registers again."""
     import zmq
 
-    import stages.sender
+    import stages.registrations
 
-    monkeypatch.setattr(stages.sender, "MAX_RECEIVERS", 3)
+    monkeypatch.setattr(stages.registrations, "MAX_RECEIVERS", 3)
     w, client, rx = env("inprocess")
     first = serve(client, rx, [Item("image", *image(59))])  # rx is registered before the others
     assert rx.wait({first: 1}, 60) and first not in rx.failed

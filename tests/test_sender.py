@@ -3,18 +3,23 @@ seen, and the custody it takes of what it holds."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ipc import shm, wire
 from ipc.arena import Arena
 from ipc.held import HeldAllocs
 from ipc.receivers import ReceiverTable
 from ipc.rooms import RoomTable
+from ipc.wire import Register
 from stages.base import TableCustody
 from stages.records import (OWNER_INTAKE, OWNER_SENDER, OWNER_TOWER, AllocSeen, Fence, Fenced, LateAlloc, ReadyItem,
                             RoomFailure, RoomOpened, RoomSucceeded, UnknownRoom)
 from stages.registry import INTAKE, REAPER, TOWER
+from stages.registrations import Registrations
 from stages.sender import SenderStage
 
 ROOM = 11
@@ -278,14 +283,14 @@ def test_registrations_that_own_nothing_give_way_least_recently_heard_from_first
     least recently that owns no room in flight nor held alloc; one that owns something is
     passed over; the shared table says the same to a successor."""
     s, out = make_sender(tables)
-    s.max_receivers = 3
+    s.receivers.max_receivers = 3
     _register(s, "old")
     _register(s, "busy")
     _register(s, "fresh")
     _bootstrap(s, type="cancel", receiver="old", room=99)  # old is heard from again: now the most recent
     _alloc(s, "busy")  # held for a room not seen yet: busy owns something
     _register(s, "new")
-    assert list(s.receivers) == ["old", "busy", "new"] and s.receivers_evicted == 1  # fresh gave way
+    assert list(s.receivers) == ["old", "busy", "new"] and s.receivers.evicted == 1  # fresh gave way
     assert set(tables[2].load()) == {"old", "busy", "new"}
     successor, _ = make_sender(tables)
     assert set(successor.receivers) == {"old", "busy", "new"}
@@ -299,26 +304,114 @@ def test_registrations_that_own_nothing_give_way_least_recently_heard_from_first
 
 def test_a_full_table_of_receivers_that_all_own_a_room_drops_a_new_one_with_a_reason(tables):
     s, _ = make_sender(tables)
-    s.max_receivers = 2
+    s.receivers.max_receivers = 2
     for rx in ("a", "b"):
         _register(s, rx)
         _alloc(s, rx)
     _register(s, "c")
     assert set(s.receivers) == {"a", "b"}
-    assert any("each with a room in flight" in reason for reason in s.dropped), s.dropped
+    assert any("each receiver of its key has a room in flight" in reason for reason in s.dropped), s.dropped
+
+
+def test_a_key_past_its_share_gives_way_among_its_own_registrations_only(tables):
+    """With CurveZMQ a key holds at most max_receivers_per_key registrations: past that,
+    or with the table full, its own least recently heard from that owns nothing gives
+    way, never another key's; with none such its register is dropped."""
+    a, b = "A" * 40, "B" * 40
+
+    def register(rx, key, **over):  # with an alloc's fields in `over`, a self-describing alloc
+        msg = {"v": wire.VERSION, "type": "register", "receiver": rx, "session": "127.0.0.1:1111",
+               "status": "tcp://127.0.0.1:2222", **over}
+        s.handle("socket", wire.KeyedFrame(wire.encode(msg), key))
+
+    s, _ = make_sender(tables)
+    s.receivers.max_per_key = 2
+    s.receivers.max_receivers = 4
+    register("a1", a)
+    register("b1", b)
+    register("a2", a)
+    for n in range(3, 10):  # a's flood: a1, a2, ... give way in turn
+        register(f"a{n}", a)
+    assert set(s.receivers) == {"b1", "a8", "a9"} and s.receivers.evicted == 7
+    register("b2", b)
+    register("b3", b)  # b's own share full: b1, the oldest of b's, gives way
+    assert set(s.receivers) == {"b2", "b3", "a8", "a9"}
+    register("b1", a)  # a free id: anyone's, within a's share
+    assert set(s.receivers) == {"b2", "b3", "a9", "b1"} and s.receivers["b1"].key == a
+    for rx in ("b2", "b3"):  # held for a room not seen yet: each owns something
+        register(rx, b, type="alloc", room=ROOM, item=0, dst=4096, dst_deepstack=0, row_start=0, n_rows=4, span=4,
+                 hidden=8, dtype="bfloat16", deepstack_width=0, fanout=1)
+    register("b4", b)  # the table is full, and every one of b's owns an alloc
+    assert set(s.receivers) == {"b2", "b3", "a9", "b1"}
+    assert any("each receiver of its key has a room in flight" in reason for reason in s.dropped), s.dropped
+    assert set(tables[2].load()) == {"b2", "b3", "a9", "b1"}
+    successor, _ = make_sender(tables)
+    assert {rx: reg.key for rx, reg in successor.receivers.by_id.items()} == {
+        "b2": b, "b3": b, "a9": a, "b1": a}
+
+
+class _Table:
+    """The shared table's writer side, in a dict."""
+
+    def __init__(self):
+        self.rows = {}
+
+    def put(self, receiver, session, status, incarnation=None, key=""):
+        self.rows[receiver] = key
+
+    def remove(self, receiver):
+        return self.rows.pop(receiver, None) is not None
+
+
+_KEYS = ("", "A" * 40, "B" * 40, "C" * 40)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["register", "engage", "disengage"]), st.integers(0, 11),
+                          st.sampled_from(_KEYS)), max_size=200),
+       st.integers(1, 5), st.integers(1, 8))
+def test_registrations_never_give_way_across_keys(ops, per_key, total):
+    """Whatever registers, engages and lets go, in any order: a key other than '' holds
+    at most its share, the table at most its size; a register takes the place of one of
+    its own key's idle registrations (the least recently heard from) or of none, never
+    another key's; and it is refused only when all of its key's own are engaged."""
+    engaged = Counter()
+    regs = Registrations(_Table(), engaged, idle_s=3600.0, max_per_key=per_key)
+    regs.max_receivers = total
+    for now, (op, n, key) in enumerate(ops):
+        rx = f"rx-{n}"
+        if op == "engage":  # a room in flight, or an alloc held
+            if rx in regs:
+                engaged[rx] += 1
+            continue
+        if op == "disengage":
+            if engaged[rx]:
+                engaged[rx] -= 1
+            continue
+        if rx in regs and regs[rx].key != key:
+            continue  # the sender refuses an id of another key before it gets here
+        before = dict(regs.by_id)
+        idle_own = [r for r in regs.by_key.get(key, ()) if not engaged[r]]
+        problem = regs.add(Register(rx, "127.0.0.1:1", "tcp://127.0.0.1:1", None, key), float(now))
+        gone = set(before) - set(regs.by_id)
+        if problem:
+            assert not idle_own and rx not in regs and not gone, problem
+        else:
+            assert rx in regs and gone <= set(idle_own[:1]), (gone, idle_own)
+        assert len(regs) <= total and all(len(own) <= per_key for k, own in regs.by_key.items() if k)
+        assert regs.table.rows == {r: m.key for r, m in regs.by_id.items()}
 
 
 def test_idle_registrations_expire_unless_they_own_something(tables):
     s, _ = make_sender(tables)
-    s.registration_idle_s = 10.0
+    s.receivers.idle_s = 10.0
     _register(s, "idle")
     _register(s, "waiting")
     _alloc(s, "waiting")  # held: owns an alloc
-    s._expire_registrations(time.monotonic() + 11.0)
-    assert list(s.receivers) == ["waiting"] and s.receivers_expired == 1
+    s.receivers.expire(time.monotonic() + 11.0)
+    assert list(s.receivers) == ["waiting"] and s.receivers.expired == 1
     assert set(tables[2].load()) == {"waiting"}
     s._unhold(ROOM)  # its alloc answered: its idle time starts now
-    s._expire_registrations(time.monotonic() + 5.0)
+    s.receivers.expire(time.monotonic() + 5.0)
     assert list(s.receivers) == ["waiting"]
-    s._expire_registrations(time.monotonic() + 11.0)
+    s.receivers.expire(time.monotonic() + 11.0)
     assert not s.receivers and not tables[2].load()

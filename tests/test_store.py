@@ -1,6 +1,6 @@
 """The shared store tier: two workers of either mode and a real mooncake_master on loopback
 (served across workers, a forged value, a stalled, killed and restarted master, a killed
-store node); then the tier alone and the cache stage beside it, on a client in memory that
+store node, a worker stopped once its master is gone); then the tier alone and the cache stage beside it, on a client in memory that
 stalls at will; and the towers' identities."""
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ import itertools
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -23,9 +26,10 @@ from pipeline.receiver import Receiver
 from pipeline.testing.store_master import StoreMaster
 from stages.embedding_cache import make_key
 from stages.records import RoomAbandoned
-from stages.store_tier import StoreSettings, StoreTier, tower_identity
+from stages.store_tier import ABANDONED, PUT_STUCK_S, StoreSettings, StoreTier, tower_identity
 from tests.test_metrics import scrape_until, value
-from tests.helpers import expected_sim_rows, image, sim_config, start_worker
+from tests.helpers import expected_sim_rows, free_port, image, sim_config, start_worker
+from tests.test_startup import REPO, kill_session, serve_cmd, start_serving, wait_session_gone
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -223,6 +227,76 @@ def test_a_store_node_killed_fails_no_room_of_the_others(master, shm_prefix, tmp
         pair.close()
 
 
+@pytest.mark.parametrize("mode", ["inprocess", "pipeline"])
+def test_a_worker_stopped_once_its_master_is_gone_exits_cleanly(mode, master, shm_prefix, tmp_path):
+    """The client's close would wait on the dead master, holding the process (in the pipeline
+    the supervisor killed the cache stage past its stop limit, its stacks logged): SIGTERM
+    ends `run.py serve` with 0 within the drain bound, no stage killed, nothing left in
+    /dev/shm, no process left."""
+    drain_s, metrics = 2.0, f"127.0.0.1:{free_port()}"
+    cmd = serve_cmd(mode, shm_prefix, tmp_path, store_master=master.address, cache_key_file=key_file(tmp_path),
+                    store_segment_bytes=32 << 20, store_buffer_bytes=8 << 20, drain_timeout_s=drain_s,
+                    metrics_endpoint=metrics)
+    stderr = tmp_path / "stderr"
+    proc = start_serving(cmd, stderr)
+    client = Client(cmd[cmd.index("--intake") + 1], shm_prefix)
+    rx = Receiver("rx", cmd[cmd.index("--bootstrap") + 1])
+    try:
+        put = 'epd_store_puts_total{outcome="stored"} 1.0'
+        wait_for(lambda: "epd_store_connected 1.0" in scraped(metrics), 60, "the store client")
+        grid, pixels = image(61, grid=(1, 4, 4))
+        client.encode(1, "req-1", [Item("image", grid, pixels)])
+        rx.alloc(1, 0, span=4, hidden=64, dtype="bfloat16", deepstack_width=32)
+        assert rx.wait({1: 1}, 60) and not rx.failed
+        wait_for(lambda: put in scraped(metrics), 30, "the put")
+        master.kill()
+        # The client has begun to reconnect, which its close would wait for.
+        wait_for(lambda: "Failed to ping master" in stderr.read_text(), 60, "the client to miss the master")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(drain_s + 5.0) == 0
+        log = stderr.read_text()
+        assert "did not exit within" not in log and "Current thread" not in log, log[-3000:]
+        assert "does not answer: leaving without unmounting" in log
+        assert not wait_session_gone(proc.pid), "a process outlived the stop"
+        assert not shm.list_objects(shm_prefix), "the stop left objects in /dev/shm"
+    finally:
+        client.close()
+        rx.close()
+        kill_session(proc.pid)
+        proc.wait(30)
+
+
+def scraped(endpoint: str) -> str:
+    return urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=30).read().decode()
+
+
+_QUIET_SCRIPT = """
+import logging, sys, time
+logging.basicConfig(level=sys.argv[1])
+from stages.store_tier import StoreSettings, StoreTier
+tier = StoreTier(StoreSettings(sys.argv[2], "P2PHANDSHAKE", 16 << 20, 1 << 20, "tcp", "", "127.0.0.1", 1.0),
+                 b"tower", bytes(32))
+end = time.monotonic() + 60
+while not tier.connected():
+    assert time.monotonic() < end, "not connected"
+    time.sleep(0.05)
+tier.close()
+"""
+
+
+@pytest.mark.parametrize("level", ["DEBUG", "WARNING"])
+def test_the_store_clients_set_up_says_nothing_above_debug(level, master):
+    """Like the transfer engine's (test_transport): a healthy set-up logs a dozen INFO lines
+    and an error-level "Local segment descriptor not found"; only at DEBUG do they show."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MC_", "GLOG_"))}
+    p = subprocess.run([sys.executable, "-c", _QUIET_SCRIPT, level, master.address], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    said = [text for text in ("Mounting segment", "Local segment descriptor not found") if text in p.stderr]
+    assert said == {"DEBUG": ["Mounting segment", "Local segment descriptor not found"], "WARNING": []}[level], \
+        p.stderr
+
+
 def test_the_store_needs_a_shared_cache_key(tmp_path):
     cfg = sim_config("x", tmp_path, store_master="127.0.0.1:50051").resolved()
     with pytest.raises(ConfigError, match="cache_key_file"):
@@ -242,6 +316,7 @@ class StallingClient:
         self.gate.set()
         self.put_gate = threading.Event()  # the same for puts
         self.put_gate.set()
+        self.closed = False
 
     def setup(self, *args) -> int:
         return 0
@@ -257,13 +332,17 @@ class StallingClient:
         ctypes.memmove(ptr, value, len(value))
         return len(value)
 
+    def is_exist(self, name: str) -> int:
+        self.gate.wait()
+        return int(name in self.values)
+
     def put_parts(self, name: str, *parts) -> int:
         self.put_gate.wait()
         self.values[name] = b"".join(bytes(p) for p in parts)
         return 0
 
     def close(self) -> None:
-        pass
+        self.closed = True
 
 
 def answers_until(tier, n: int = 1) -> list:
@@ -310,8 +389,8 @@ def test_the_tier_answers_every_ask_by_its_deadline_and_skips_a_stalled_store():
         client.put_gate.clear()  # a put that stalls gives its rows back at once, and no more are queued
         assert tier.put(other, memoryview(rows), "stalled")
         wait_for(lambda: tier.done() == ["stalled"], 10, "the rows' copy")
-        wait_for(lambda: tier.putting_since is not None and time.monotonic() - tier.putting_since > 0.2, 10,
-                 "the put to pass the deadline")
+        wait_for(lambda: tier.putting_since is not None and time.monotonic() - tier.putting_since > PUT_STUCK_S,
+                 10, "the put to be stuck")
         assert not tier.put(key, memoryview(rows), "refused")
         client.put_gate.set()
         wait_for(lambda: tier.stats()["store_puts"] == {"stored": 2, "failed": 0, "dropped": 1}, 10, "the put")
@@ -319,6 +398,29 @@ def test_the_tier_answers_every_ask_by_its_deadline_and_skips_a_stalled_store():
         client.gate.set()
         client.put_gate.set()
         tier.close()
+        listener.close()
+
+
+@pytest.mark.parametrize("answers", [True, False])
+def test_close_tells_a_master_that_answers_and_abandons_a_client_whose_master_does_not(answers):
+    """A close against a stalled master would hold the process (the client's close keeps the
+    GIL while it waits): the client is left open, kept from its destructor, for the process
+    to end past its exit handlers."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = StallingClient()
+    settings = StoreSettings(f"127.0.0.1:{listener.getsockname()[1]}", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "",
+                             "127.0.0.1", get_timeout_s=0.2)
+    tier = StoreTier(settings, b"tower", os.urandom(32), client_factory=lambda: client)
+    try:
+        wait_for(tier.connected, 10, "the tier to connect")
+        if not answers:
+            client.gate.clear()
+        tier.close()
+        assert client.closed == answers
+        assert (client in ABANDONED) != answers
+    finally:
+        client.gate.set()
+        ABANDONED[:] = [c for c in ABANDONED if c is not client]
         listener.close()
 
 

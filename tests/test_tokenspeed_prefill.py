@@ -247,6 +247,32 @@ def test_a_wrong_span_fails_on_both_sides_and_writes_nothing(worker, ranks):
             assert worker.gateway.Encode(request, timeout=10).accepted
         status, rows = ranks["solo"].wait(room)
         assert status == FAILED and (rows == UNTOUCHED).all()
+    # the room failed with the front's reason, not with what intake makes of a stand-in
+    reason = "the placeholders take 5 rows; the grid makes 4 (span)"
+    deadline = time.monotonic() + 10
+    while reason not in worker.stats()["intake_failed"] and time.monotonic() < deadline:
+        pass  # stats() waits a moment in the pipeline, for its stages' boards
+    assert reason in worker.stats()["intake_failed"], worker.stats()["intake_failed"]
+
+
+def test_a_pre_alloc_refused_by_the_frame_front_is_answered_failed(worker):
+    """Its room and status endpoint can be read: its rank hears "0" now, not at its timeout."""
+    host, port = worker.prefill_bootstrap.rsplit(":", 1)
+    ctx = zmq.Context()
+    status = ctx.socket(zmq.PULL)
+    status_port = status.bind_to_random_port("tcp://127.0.0.1")
+    frames = ctx.socket(zmq.PUSH)
+    frames.connect(f"tcp://{host}:{int(port) + 1}")
+    room = next(_rooms)
+    try:
+        frames.send_multipart([str(room).encode(), b"127.0.0.1", str(status_port).encode(), b"127.0.0.1:9", bytes(8),
+                               bytes(8), b"4", str(HIDDEN).encode(), b"torch.int8", b"0", b"1", b"0", b"4"])
+        assert status.poll(10_000), "the refused pre-alloc's rank heard nothing"
+        assert status.recv_multipart() == [str(room).encode(), b"0", b"0"]
+    finally:
+        frames.close(0)
+        status.close(0)
+        ctx.term()
 
 
 @pytest.mark.parametrize("what", ["two items", "remote pixels", "a negative room"])

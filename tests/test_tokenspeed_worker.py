@@ -60,7 +60,7 @@ def test_a_zero_row_shard_is_answered_without_a_write(tables):  # noqa: F811
     _send_alloc(s, "rx-b", 4, 0, session="127.0.0.1:3333", status="tcp://127.0.0.1:4444", fanout=2)
     s.handle(TOWER, ReadyItem(slot, ROOM, 0, 4, s.arena.alloc(4 * 8 * 2, OWNER_TOWER)))
     assert engine.writes == [("127.0.0.1:1111", [4096])]
-    assert ShardWritten(ROOM, 0, "rx-b") in out
+    assert [(r.room, r.item, r.receiver) for r in out if isinstance(r, ShardWritten)] == [(ROOM, 0, "rx-b")]
 
 
 def _pre_alloc(room=b"1311768467463790320", n=b"256", dtype=b"torch.bfloat16", deep=b"0", fanout=b"1",
@@ -89,6 +89,25 @@ def test_frames_translate_into_native_messages():
 def test_malformed_frames_are_refused_with_a_reason(parts):
     with pytest.raises(FrameError):
         translate(parts, 0)
+
+
+def test_a_refused_pre_alloc_names_where_to_answer_when_it_can_be_read():
+    from pipeline.tokenspeed_front import refused_room
+
+    assert refused_room(_pre_alloc(dtype=b"torch.int8")) == (1311768467463790320, "tcp://127.0.0.1:38649")
+    assert refused_room(_pre_alloc(room=b"-1")) is None
+    unreadable_port = _pre_alloc(dtype=b"torch.int8")
+    unreadable_port[2] = b"0"
+    assert refused_room(unreadable_port) is None and refused_room([b"x"] * 6) is None
+
+
+def test_a_refusal_is_honoured_only_under_its_key():
+    key, other = wire.new_cache_key(), wire.new_cache_key()
+    msg = wire.decode(wire.encode(wire.refusal(key, 42, "gw-1", "shm segment is not a regular file")))
+    assert wire.refusal_reason(key, msg) == "shm segment is not a regular file"
+    assert wire.refusal_reason(other, msg) is None
+    assert wire.refusal_reason(key, {**msg, "room": 43}) is None
+    assert wire.refusal_reason(key, {**msg, "reason": "another"}) is None
 
 
 @pytest.mark.parametrize("room", [0, 2**63 - 1, 2**63 + 5])
@@ -140,7 +159,7 @@ def _grpc_front(ctx, intake, monkeypatch, draining=lambda: False):
     cfg = SimpleNamespace(tower="sim", tower_config="", shm_prefix="tsbound", intake=intake,
                           tokenspeed_grpc=f"127.0.0.1:{free_port()}")
     spec = SimpleNamespace(patch_dim=1176, merge=2, dtype="bfloat16", deepstack_width=0)
-    return tokenspeed_grpc.GrpcFront(ctx, cfg, spec, draining)
+    return tokenspeed_grpc.GrpcFront(ctx, cfg, spec, draining, wire.new_cache_key())
 
 
 def test_a_grpc_flood_is_turned_away_or_waits_and_every_call_ends(stalled_intake, monkeypatch):
@@ -255,3 +274,39 @@ def test_a_draining_worker_answers_unavailable_and_unlinks_the_segment(stalled_i
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.value.details()
     assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
     assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_refused_pre_allocs_naming_many_endpoints_open_a_bounded_number_of_sockets(stalled_intake):
+    """Each names another status endpoint: the front answers on at most MAX_STATUS_SOCKETS
+    at once and closes none sooner than its linger after use, so a flood cannot pile up
+    sockets in the worker's main process; the first ones are answered "0"."""
+    import time
+
+    import zmq
+
+    from pipeline.background import free_port
+    from pipeline.tokenspeed_front import MAX_STATUS_SOCKETS, FrameFront
+
+    ctx, intake = stalled_intake
+    status = ctx.socket(zmq.PULL)
+    status_port = status.bind_to_random_port("tcp://127.0.0.1")
+    frames_port = free_port()
+    front = FrameFront(ctx, "127.0.0.1", frames_port, intake, 0)
+    prefill = ctx.socket(zmq.PUSH)
+    prefill.connect(f"tcp://127.0.0.1:{frames_port}")
+    n = 3 * MAX_STATUS_SOCKETS
+    try:
+        for i in range(n):  # the first to our status socket, the others to addresses nobody listens on
+            frame = _pre_alloc(room=str(i).encode(), dtype=b"torch.int8")
+            frame[1:3] = [f"127.0.0.{1 + i}".encode(), str(status_port).encode()]
+            prefill.send_multipart(frame)
+        deadline = time.monotonic() + 10
+        while sum(front.dropped.values()) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert status.poll(10_000) and status.recv_multipart() == [b"0", b"0", b"0"]
+        assert sum(front.dropped.values()) == n
+        assert front.answered <= MAX_STATUS_SOCKETS and len(front.status) <= MAX_STATUS_SOCKETS
+    finally:
+        prefill.close(0)
+        status.close(0)
+        front.close()

@@ -7,10 +7,13 @@ writes rows into, is checked here.
 """
 from __future__ import annotations
 
+import os
+import secrets
 import subprocess
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from ipc import shm
 from pipeline.client import Client, Item
@@ -48,12 +51,17 @@ def test_receiver_writes_rows_into_a_caller_supplied_buffer(shm_prefix, tmp_path
         seg.unlink()
 
 
+@pytest.mark.long
 def test_vllm_engine():
     """tests/test_vllm_engine.py in .venv-vllm: the connector and the proxy against vLLM."""
     assert VLLM_PYTHON.exists(), (
         f"{VLLM_PYTHON} is missing: the vLLM tests run in their own environment; build it with "
         f"scripts/setup_vllm.sh (about two minutes, 2.7 GB)")
+    # A token of its own: the inner session's /dev/shm check then sees its objects, not
+    # those of this session's tests running beside it.
+    env = {**os.environ, "TEST_SHM_TOKEN": secrets.token_hex(3)}
     proc = subprocess.run([str(VLLM_PYTHON), "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:randomly",
-                           "tests/test_vllm_engine.py"], cwd=ROOT, capture_output=True, text=True, timeout=540)
+                           "tests/test_vllm_engine.py"], cwd=ROOT, capture_output=True, text=True, timeout=540,
+                          env=env)
     assert proc.returncode == 0, f"tests/test_vllm_engine.py in .venv-vllm failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
 

@@ -20,7 +20,8 @@ def image_bytes(grid) -> int:
 
 # (images per trial, trials per mode) of each scenario: --quick, and the full run
 SIZES = {"cpu": ((300, 2), (500, 4)), "small": ((2000, 2), (5000, 4)), "device": ((300, 1), (500, 2)),
-         "tiny": ((300, 1), (600, 2)), "replicas": ((300, 1), (600, 2)), "store": ((200, 1), (500, 2))}
+         "tiny": ((300, 1), (600, 2)), "replicas": ((300, 1), (600, 2)), "store": ((200, 1), (500, 2)),
+         "tokenspeed": ((150, 7), (250, 11))}
 
 
 @dataclasses.dataclass
