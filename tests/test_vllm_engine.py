@@ -210,6 +210,11 @@ def test_a_hit_in_vllms_encoder_cache_cancels_the_room(sim):
         wait_for(lambda: concluded(w, "failed", "canceled"), 30, "the worker to cancel room 18")
         wait_for(lambda: not sched.draining, 30, "the worker's answer", step=sched.poll)
         assert sched.ensure_cache_available(hit, 100) and not sched.receiver.shards
+        # Preempted, it recomputes its prompt: from vLLM's cache while u7 is there, else
+        # it fails with the reason (its room is gone).
+        assert sched.ensure_cache_available(hit, 0)
+        del vllm_cache["u7"]
+        assert not sched.ensure_cache_available(hit, 0) and "preempted" in sched.unavailable["g"]
         sched.request_finished(hit)
         # vLLM evicts u8 before it schedules the request: its room is allocated after all.
         client.encode(19, "r19", [Item("image", *image(8))])
