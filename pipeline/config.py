@@ -152,7 +152,7 @@ class WorkerConfig:
                                                  "again); when the table or its key's share is full, the "
                                                  "least recently heard from of its key's gives way at once")
     max_receivers_per_key: int = setting(64, "with CurveZMQ, receiver registrations one client key may hold "
-                                             "(a prefill host's ranks, and room to re-register): past it a new "
+                                             "(a prefill host's ranks, and room to register again): past it a new "
                                              "one takes the place of that key's own least recently heard from "
                                              "that owns no room, never another key's")
     max_deadline_s: float = setting(3600.0, "a request's deadline_ms is capped at this many seconds after it "
