@@ -52,6 +52,9 @@ __all__ = ["Engine", "Pending", "TransportError"]
 _PROTOCOLS = ("tcp", "rdma")
 _HANDSHAKE_STALL_S = 60.0          # measured: handshake with a hung peer blocks ~60 s
 _SESSION_FAIL_MEMO_S = 2.0         # queued writes to a peer whose open just failed fail fast
+# Writes the library holds for one peer at most: a burst of thousands at once makes
+# Mooncake's TCP transport stall or drop some of them; the rest wait in their queue.
+MAX_WRITES_IN_FLIGHT = 128
 _POLL_SLEEP_MIN = 50e-6
 _POLL_SLEEP_MAX = 2e-3
 
@@ -124,6 +127,7 @@ class Pending:
         self._abandoned = False
         self._failures: list[str] = []
         self._result: bool | None = None
+        self._counted = 0  # its writes in the engine's per-peer count (Engine._drain)
 
     # -- dispatcher side ---------------------------------------------------
     def _dispatch(self, te) -> None:
@@ -317,6 +321,8 @@ class Engine:
         self._session_fail: dict[str, tuple[float, str]] = {}
         self._opened: set[str] = set()
         self._inflight: set[Pending] = set()
+        self._writes_in_flight: dict[str, int] = {}  # per peer: dispatched by _drain, not yet done
+        self._write_done = threading.Condition(self._lock)
         self._orphans: list[int] = []
         self._pool = ThreadPoolExecutor(max_workers=max(1, dispatch_threads),
                                         thread_name_prefix="mooncake-submit")
@@ -426,6 +432,11 @@ class Engine:
                         self._busy_threads -= 1
                         return
                     p = q.popleft()
+                    while (self._writes_in_flight.get(session, 0) >= MAX_WRITES_IN_FLIGHT
+                           and not self._closed):
+                        self._write_done.wait(0.1)
+                    p._counted = sum(1 for e in p._entries if e[2])
+                    self._writes_in_flight[session] = self._writes_in_flight.get(session, 0) + p._counted
                 try:
                     p._dispatch(self._te)
                 except BaseException as e:  # never leave a Pending undispatched
@@ -480,6 +491,14 @@ class Engine:
     def _pending_done(self, p: Pending) -> None:
         with self._lock:
             self._inflight.discard(p)
+            if p._counted:
+                left = self._writes_in_flight[p.session] - p._counted
+                if left:
+                    self._writes_in_flight[p.session] = left
+                else:
+                    del self._writes_in_flight[p.session]
+                p._counted = 0
+                self._write_done.notify_all()
 
     def _orphan(self, bid: int) -> None:
         # Lock order: a Pending's lock, then the engine's.
