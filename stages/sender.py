@@ -227,11 +227,7 @@ class SenderStage(Stage):
             # Concluded before it reached us (failed elsewhere): answer what was held.
             for a in self._unhold(room):
                 self.emit(registry.REAPER, LateAlloc(room, a.receiver))
-            early = self.early.pop(room, [])
-            for r in early:
-                self._release(r)
-            for _ in early:
-                self.custody.release(opened.slot, room)
+            self._release_early(room)
             return
         tx = self.live[room] = _RoomTx(opened.slot, tuple(opened.spans), [_ItemTx() for _ in opened.spans])
         # Taken off the list first: a bad one fails and fences the room, and the next ones
@@ -421,6 +417,12 @@ class SenderStage(Stage):
             self._conclude_fence(room, tx)
 
     def _timeouts(self, now: float) -> None:
+        # An item that came early for a room the table says is over (fenced before the item
+        # came, and its RoomOpened lost with a dead intake) waits for nothing any more.
+        for room, early in list(self.early.items()):
+            entry = self.rooms.get(early[0].slot)
+            if entry is None or entry.room != room or entry.state >= RoomState.SUCCESS:
+                self._release_early(room)
         limit = now - self.bootstrap_timeout_s
         for room, tx in list(self.live.items()):
             if tx.failing:
@@ -462,11 +464,7 @@ class SenderStage(Stage):
         if tx is None:
             self._remember_fenced(room)
             receivers = sorted({a.receiver for a in self._unhold(room)})
-            early = self.early.pop(room, [])
-            for r in early:
-                self._release(r)
-            for _ in early:  # held where the first was: a later one's slot may be another room's since
-                self.custody.release(early[0].slot, room)
+            self._release_early(room)
             self.emit(registry.REAPER, Fenced(room, tuple(receivers)))
             return
         if not tx.failing:
@@ -480,6 +478,13 @@ class SenderStage(Stage):
                     it.ready = None
         if not tx.writes:
             self._conclude_fence(room, tx)
+
+    def _release_early(self, room: int) -> None:
+        early = self.early.pop(room, [])
+        for r in early:
+            self._release(r)
+        for _ in early:  # held where the first was: a later one's slot may be another room's since
+            self.custody.release(early[0].slot, room)
 
     def _remember_fenced(self, room: int) -> None:
         self.fenced_unopened[room] = time.monotonic()
