@@ -113,6 +113,8 @@ class WorkerConfig:
     sim_temporal_patch: int = tower_setting("sim_temporal_patch")
     sim_time_per_row_s: float = tower_setting("sim_time_per_row_s")
     sim_fail_batches: int = tower_setting("sim_fail_batches")
+    sim_load_s: float = tower_setting("sim_load_s")
+    sim_load_stall_file: str = tower_setting("sim_load_stall_file")
     max_items_per_request: int = setting(64, "a request with more items fails at intake")
     max_pixel_bytes_per_request: int = size_setting(256 << 20, "a request with more pixel bytes fails at intake")
     max_tokens_per_batch: int = setting(4096, "scheduler: output rows per tower batch at most")
@@ -163,7 +165,11 @@ class WorkerConfig:
                                     "end the run")
     restart_window_s: float = setting(30.0, "pipeline: the window restart_limit counts restarts in")
     drain_timeout_s: float = setting(10.0, "on SIGTERM/SIGINT, how long rooms in flight may finish")
-    start_timeout_s: float = setting(300.0, "pipeline: how long a stage may take to become ready")
+    start_timeout_s: float = setting(300.0, "pipeline: how long a stage may take to become ready, at most "
+                                            "(a tower's load, however it progresses)")
+    stage_start_timeout_s: float = setting(8.0, "pipeline: a stage that loads nothing (all but the towers) not "
+                                                "ready this long after its spawn is killed and restarted; a "
+                                                "tower, when its load makes no progress for heartbeat_timeout_s")
     metrics_endpoint: str = setting("", "host:port of the Prometheus endpoint the supervisor serves "
                                         "('' for none)")
     numa: str = setting("auto", "NUMA placement: auto (the node nearest the tower's GPU), off, a node number, "
@@ -260,7 +266,7 @@ class WorkerConfig:
             raise ConfigError(f"gpus must list {self.tower_replicas} CUDA device numbers (one per tower "
                               f"replica, tower_replicas), got {self.gpus!r}", "gpus")
         for name in ["bootstrap_timeout_s", "tombstone_ttl_s", "heartbeat_timeout_s",
-                     "restart_window_s", "start_timeout_s", "status_socket_idle_s", "registration_idle_s",
+                     "restart_window_s", "start_timeout_s", "stage_start_timeout_s", "status_socket_idle_s", "registration_idle_s",
                      "max_deadline_s"]:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}", name)

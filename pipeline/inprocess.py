@@ -103,6 +103,9 @@ class InProcessWorker:
     def stages_not_ready(self) -> list[str]:
         return []  # every stage was started before the constructor returned
 
+    def stages_not_ready_since(self) -> dict[str, float]:
+        return {}
+
     # ------------------------------------------------------------ state
     def stats(self) -> dict:
         out = merge_stats({name: stage.stats() for name, stage in self.stages.items()})

@@ -53,6 +53,11 @@ class Notifier:
     def enabled(self) -> bool:
         return self.address is not None
 
+    @property
+    def is_ready(self) -> bool:
+        """Whether READY=1 has gone out: STATUS= is then the supervisor's to keep current."""
+        return self._ready
+
     def send(self, *lines: str) -> bool:
         """One notification of `KEY=value` lines; False if there is no manager or it failed."""
         if self.address is None:

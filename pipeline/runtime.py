@@ -170,6 +170,9 @@ class StageControl(Protocol):
     def stages_not_ready(self) -> list[str]:
         """The stages that cannot take work now."""
 
+    def stages_not_ready_since(self) -> dict[str, float]:
+        """Those stages, each with the time.monotonic() since which it has not been ready."""
+
 
 class Serving:
     """Serving a run until a stop, the drain, and what /healthz reports of it: the same in
@@ -180,6 +183,7 @@ class Serving:
         self.control = control
         self.draining = False
         self.turned_at: float | None = None  # when the loop last went round
+        self.told_not_ready: tuple = ()  # the stages the last STATUS= named as not ready
 
     def serve(self, stop: SignalFlag, second: SignalFlag | None = None) -> int:
         """Serve until `stop`; then drain for drain_timeout_s (none once `second` is set)
@@ -198,19 +202,29 @@ class Serving:
         return 1
 
     def turned(self) -> None:
-        """The loop (serving, draining, or waiting for a stage to start) went round: what
-        /healthz and the service manager's watchdog go by."""
+        """The loop (serving, draining, or starting the stages) went round: what /healthz
+        and the service manager's watchdog go by. It never waits on one stage, so this
+        means the supervisor is alive, not that it is stuck waiting."""
         self.turned_at = time.monotonic()
         self.run.notifier.watchdog(self.control.heartbeat_ages(), self.turned_at)
+        if self.run.notifier.enabled and self.run.notifier.is_ready and not self.draining:
+            since = self.control.stages_not_ready_since()
+            if tuple(since) != self.told_not_ready:
+                self.told_not_ready = tuple(since)
+                self.run.notifier.status(not_ready_text(since, self.turned_at) if since else "serving")
 
     def health(self) -> dict:
         """The conditions of the /healthz and /readyz probes (pipeline.metrics.READY_WHEN);
         called on the metrics endpoint's thread."""
         turned = self.turned_at
         not_ready = self.control.stages_not_ready()
+        now = time.monotonic()
+        since = self.control.stages_not_ready_since()
         return {"loop_alive": turned is not None
-                and time.monotonic() - turned < max(2.0, self.run.cfg.heartbeat_timeout_s),
+                and now - turned < max(2.0, self.run.cfg.heartbeat_timeout_s),
                 "stages_ready": not not_ready, "not_ready": not_ready,
+                "not_ready_since": {name: _wall(t, now) for name, t in since.items()},
+                "not_ready_for_s": {name: round(now - t, 1) for name, t in since.items()},
                 "draining": self.draining, "restart_budget_left": self.control.fatal is None}
 
     def drain(self, deadline_s: float, cut_short=lambda: False) -> None:
@@ -246,6 +260,17 @@ class Serving:
         while time.monotonic() < end and not done():
             self.control.poll()
             self.turned()
+
+
+def _wall(t: float, now: float) -> str:
+    """A time.monotonic() `t` as UTC wall-clock time (ISO 8601, seconds)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - (now - t)))
+
+
+def not_ready_text(since: dict[str, float], now: float) -> str:
+    """STATUS= while stages are not ready: which, and since when."""
+    return "serving, degraded: " + "; ".join(
+        f"the {name} stage not ready since {_wall(t, now)} ({now - t:.0f} s)" for name, t in since.items())
 
 
 def serve_until_signalled(make, announce) -> int:

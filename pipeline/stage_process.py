@@ -18,7 +18,7 @@ from pipeline.config import WorkerConfig, setup_logging
 from pipeline.loop import Env, Loop, RingChannel
 from pipeline.runtime import SHUTTING_DOWN, SignalFlag
 from stages.base import TableCustody
-from stages import registry, store_tier
+from stages import progress, registry, store_tier
 
 log = logging.getLogger("epd.stage")
 
@@ -28,6 +28,7 @@ DUMP_STACKS = signal.SIGUSR1
 def stage_process(name: str, cfg_kwargs: dict, run_id: str, spec_kwargs: dict | None, conn,
                   cpus: list[int] | None = None) -> None:
     """Entry point of a stage process (multiprocessing, spawn); `cpus`: its NUMA placement."""
+    name_process(name)
     numa.pin(cpus)  # first: the threads this process starts (torch, zmq, Mooncake) inherit it
     cfg = WorkerConfig(**cfg_kwargs)
     setup_logging(cfg, name)
@@ -51,6 +52,25 @@ def stage_process(name: str, cfg_kwargs: dict, run_id: str, spec_kwargs: dict | 
         # from the supervisor's stop would then end a stage that closed cleanly with -15.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     store_tier.end_process_if_abandoned(0)  # a store client whose master is gone: no exit handlers
+
+
+def name_process(stage: str) -> None:
+    """Name this process after its stage, so that ps, top, py-spy and systemd-cgls tell the
+    stages apart: with setproctitle (the `worker` extra) the command line
+    `epd-worker: <stage>`, and the kernel's name (comm, 15 bytes) `epd-<stage>`, set last
+    (setproctitle sets it to its title's first 15 bytes, which would cut the stage's off)."""
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(f"epd-worker: {stage}")
+    except ImportError:
+        pass
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(15, f"epd-{stage}".encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except Exception:
+        pass
 
 
 def _die_with_parent() -> None:
@@ -79,6 +99,9 @@ class StageHost:
         self.row = self.hb.row(name)
         self.row[Heartbeats.PID] = os.getpid()
         self.row[Heartbeats.BEAT] = time.monotonic()
+        # A tower's load reports its steps: each moves the heartbeat on, and the supervisor
+        # gives up on the start only when it stops moving (pipeline/starts.py).
+        progress.set_reporter(lambda: self.row.__setitem__(Heartbeats.BEAT, time.monotonic()))
         self.stats_board = StatsBoard.attach(p, run_id)
         self._stats_at = 0.0
         self._busy_window_at = time.monotonic()
@@ -100,6 +123,7 @@ class StageHost:
         self.loop = Loop([self.stage], self.channel, self.env.zmq_context, self.env.curve)
         self.stage.start()  # picks up what a predecessor left
         self.loop.settle(self.stage)
+        progress.set_reporter(None)
         self.row[Heartbeats.READY] = 1.0
 
     def _beat(self) -> None:

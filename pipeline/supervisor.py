@@ -18,6 +18,7 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import subprocess
 import threading
 import time
 from collections import deque
@@ -32,6 +33,7 @@ from pipeline.reclaim import Reclaimer
 from pipeline.runtime import RunResources, Serving, SignalFlag, StartError
 from pipeline.tokenspeed_front import Fronts, start_fronts
 from pipeline.stage_process import DUMP_STACKS, stage_process
+from pipeline.starts import FAILED, READY, Start
 from stages import registry
 from stages.registry import REQUEST_STAGE, SUPERVISOR
 
@@ -103,15 +105,22 @@ class Supervisor:
         self.restarts: deque = deque()
         self.restart_counts = {name: 0 for name in self.stages}
         self.pending_restart: dict[str, float] = {}
+        self.starting: dict[str, Start] = {}  # stages spawned and not ready yet: the loop looks, never waits
+        self.failed_starts = {name: 0 for name in self.stages}  # in a row: every one counts toward giving up
+        self.not_ready_since = {name: time.monotonic() for name in self.stages}
         self.fatal: str | None = None
         self.spec_kwargs: dict | None = None  # the towers' spec, as the first tower answered it
         self._mp = mp.get_context("spawn")
+        # multiprocessing's spawn forks with vfork, which suspends this process until the
+        # child execs: a child stopped (SIGSTOP, a debugger) in between stops the supervisor
+        # with it. A plain fork costs a copy of the page tables and cannot block.
+        setattr(subprocess, "_USE_VFORK", False)
         self._hung: dict[str, int] = {}  # stage -> pid of the process the hang killer SIGKILLed
         self._watching = threading.Event()  # cleared to stop the hang killer
         self._hang_killer: threading.Thread | None = None
 
     # ------------------------------------------------------------ processes
-    def _spawn(self, name: str) -> tuple[mp.Process, object]:
+    def _spawn(self, name: str) -> Start:
         parent, child = self._mp.Pipe(duplex=False)
         cfg = asdict(self.cfg)
         proc = self._mp.Process(target=stage_process, name=f"epd-{name}",
@@ -119,36 +128,20 @@ class Supervisor:
                                 daemon=False)
         row = self.hb.row(name)
         row[Heartbeats.READY] = 0.0
-        row[Heartbeats.BEAT] = time.monotonic()
+        row[Heartbeats.BEAT] = time.monotonic()  # a tower's load progress moves it on (pipeline/starts.py)
         row[Heartbeats.BUSY] = 0.0
         self.hb.report_drained(name, DrainOrder.NONE)  # a predecessor's answer is not this one's
-        proc.start()
-        child.close()
-        return proc, parent
-
-    def _await_ready(self, name: str, proc, conn, timeout: float) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            self.serving.turned()  # a tower may take minutes to load: the supervisor is alive meanwhile
-            if conn.poll(0.05):
-                try:
-                    kind, payload = conn.recv()
-                except EOFError:
-                    break
-                if kind == "ready":
-                    if self.spec_kwargs is None:  # the first stage started is a tower
-                        self.spec_kwargs = payload
-                    conn.close()
-                    return
-                raise PipelineError(f"the {name} stage could not start: {payload}")
-            if not proc.is_alive():
-                break
-        proc.kill()
-        proc.join(5)
-        raise PipelineError(f"the {name} stage did not become ready (exit code {proc.exitcode})")
+        now = time.monotonic()
+        try:
+            proc.start()
+        finally:
+            child.close()
+        self.procs[name] = proc
+        c = self.cfg
+        return Start(name, proc, parent, now, c.stage_start_timeout_s, c.heartbeat_timeout_s, c.start_timeout_s)
 
     def start(self) -> None:
-        """Start every stage, each ready before the next."""
+        """Start every stage, each ready before the next (they need the towers' spec)."""
         try:
             if self.cfg.metrics_endpoint:
                 try:
@@ -162,13 +155,27 @@ class Supervisor:
             order = registry.start_order(self.cfg.tower_replicas)
             for n, name in enumerate(order, 1):
                 self.run.notifier.status(f"starting the {name} stage ({n} of {len(order)})")
-                proc, conn = self._spawn(name)
-                self.procs[name] = proc
-                self._await_ready(name, proc, conn, self.cfg.start_timeout_s)
+                st = self._spawn(name)
+                while True:
+                    state, why = st.poll(self.hb.row(name), time.monotonic())
+                    if state == FAILED:
+                        st.abandon()
+                        raise PipelineError(f"the {name} stage {why}")
+                    if state == READY:
+                        break
+                    self.serving.turned()  # nothing else to do before serving: this loop is the loop
+                    time.sleep(0.05)
+                self._ready(name, st)
             self.fronts = start_fronts(self.cfg, self.spec, self.run_id, lambda: self.serving.draining)
         except BaseException:
             self._stop_processes(0.0)
             raise
+
+    def _ready(self, name: str, st: Start) -> None:
+        if self.spec_kwargs is None:  # the first stage started is a tower
+            self.spec_kwargs = st.spec
+        self.not_ready_since.pop(name, None)
+        self.failed_starts[name] = 0
 
     @property
     def spec(self):
@@ -186,10 +193,16 @@ class Supervisor:
         time.sleep(0.02)
 
     def check(self) -> None:
+        """One look at every stage: starts that became ready, failed or ran out of time,
+        stages that died, restarts whose backoff is over. Never waits on a process."""
         now = time.monotonic()
+        for name in list(self.starting):
+            self._check_start(name, now)
         for name, proc in list(self.procs.items()):
+            if name in self.starting:
+                continue
             if proc is None:
-                if now >= self.pending_restart.get(name, 0.0):
+                if self.fatal is None and now >= self.pending_restart.get(name, 0.0):
                     self._restart(name)
                 continue
             if not proc.is_alive():
@@ -225,9 +238,15 @@ class Supervisor:
         proc = self.procs[name]
         proc.join(5)
         self.procs[name] = None
+        self.not_ready_since.setdefault(name, time.monotonic())
         with self.totals.lock:  # its successor counts from zero: keep what it had counted
             self.totals.retire(name, self.stats_board.read(name))
             self.stats_board.write(name, {})
+        self._lost(name, why)
+
+    def _lost(self, name: str, why: str) -> None:
+        """`name`'s process is gone (dead, hung, or given up while it started): fail what it
+        held, count the restart, and schedule the next start or give up."""
         self.reclaimer.stage_died(name, why)
         now = time.monotonic()
         self.restarts.append((now, name))
@@ -237,6 +256,12 @@ class Supervisor:
             self.fatal = (f"the {name} stage died {sum(1 for _, n in self.restarts if n == name)} "
                           f"times, and stages restarted {len(self.restarts)} times in "
                           f"{self.cfg.restart_window_s:g} s (restart_limit {self.cfg.restart_limit})")
+        elif self.failed_starts[name] > self.cfg.restart_limit:
+            # Starts that each take their whole bound may never crowd restart_window_s:
+            # counted in a row, they end the run within a bound of their own.
+            self.fatal = (f"the {name} stage could not be restarted: {self.failed_starts[name]} starts "
+                          f"in a row failed (restart_limit {self.cfg.restart_limit}); the last {why}")
+        if self.fatal is not None:
             log.error("giving up: %s", self.fatal)
             return
         recent = sum(1 for _, n in self.restarts if n == name)
@@ -245,25 +270,30 @@ class Supervisor:
     def _restart(self, name: str) -> None:
         self.pending_restart.pop(name, None)
         try:
-            proc, conn = self._spawn(name)
-            self.procs[name] = proc
-            self._await_ready(name, proc, conn, self.cfg.start_timeout_s)
-        except PipelineError as e:
-            log.error("%s", e)
+            self.starting[name] = self._spawn(name)
+        except OSError as e:
+            log.error("could not spawn the %s stage: %s", name, e)
             self.procs[name] = None
-            self._died_at_start(name)
-            return
-        self.restart_counts[name] += 1
-        log.warning("restarted the %s stage (pid %d, restart %d)", name, proc.pid, self.restart_counts[name])
-        self.hb.row(name)[Heartbeats.RESTARTS] = self.restart_counts[name]
+            self.failed_starts[name] += 1
+            self._lost(name, f"could not be spawned: {e}")
 
-    def _died_at_start(self, name: str) -> None:
-        self.reclaimer.say_last_words(name)
-        now = time.monotonic()
-        self.restarts.append((now, name))
-        if len(self.restarts) > self.cfg.restart_limit:
-            self.fatal = f"the {name} stage could not be restarted"
-        self.pending_restart[name] = now + 2.0
+    def _check_start(self, name: str, now: float) -> None:
+        st = self.starting[name]
+        state, why = st.poll(self.hb.row(name), now)
+        if state == READY:
+            del self.starting[name]
+            self._ready(name, st)
+            self.restart_counts[name] += 1
+            log.warning("restarted the %s stage (pid %d, restart %d, ready %.1f s after its spawn)",
+                        name, st.proc.pid, self.restart_counts[name], now - st.spawned_at)
+            self.hb.row(name)[Heartbeats.RESTARTS] = self.restart_counts[name]
+        elif state == FAILED:
+            del self.starting[name]
+            log.error("the %s stage (pid %d) %s: killing it", name, st.proc.pid, why)
+            st.abandon()
+            self.procs[name] = None
+            self.failed_starts[name] += 1
+            self._lost(name, f"failed to start ({why})")
 
     def tell_reaper(self, record) -> bool:
         # Into the ring whether or not the reaper is alive now: the ring outlives it, and a
@@ -290,6 +320,12 @@ class Supervisor:
         # loop's; a stage found dead is None in procs within a turn of the loop.
         return [name for name in self.stages
                 if self.procs.get(name) is None or not self.hb.row(name)[Heartbeats.READY]]
+
+    def stages_not_ready_since(self) -> dict[str, float]:
+        """Each stage not ready now, and since when (time.monotonic): found dead or hung, or
+        not yet ready since the run began."""
+        since = dict(self.not_ready_since)
+        return {name: since.get(name, time.monotonic()) for name in self.stages_not_ready()}
 
     # ------------------------------------------------------------ state
     def stats(self) -> dict:
@@ -363,6 +399,10 @@ class Supervisor:
         if self._hang_killer is not None:
             self._hang_killer.join(5)
             self._hang_killer = None
+        for name, st in list(self.starting.items()):  # not serving yet: nothing to finish
+            st.abandon()
+            self.procs[name] = None
+        self.starting.clear()
         for name in list(self.procs):  # all at once: they stop together
             proc = self.procs.get(name)
             if proc is not None and proc.is_alive():

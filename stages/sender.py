@@ -65,6 +65,10 @@ class _RoomTx:
 
 
 MAX_FENCED_UNOPENED = 65536  # a RoomOpened trails its fence by a ring's length at most
+# A room that arrived before this sender started (its predecessor died) and still misses
+# allocs this long after both its embedding and this sender were ready fails: allocs sent
+# meanwhile may be lost with the dead connection (docs/design.md, "Restarts and rooms").
+ALLOCS_LOST_AFTER_S = 5.0
 
 
 class SenderStage(Stage):
@@ -428,11 +432,21 @@ class SenderStage(Stage):
             if tx.failing:
                 continue
             for i, it in enumerate(tx.items):
-                if it.ready is not None and not it.started and it.ready_at < limit:
+                if it.ready is None or it.started:
+                    continue
+                entry = self.rooms.get(tx.slot)
+                before_me = entry is not None and entry.created < self.started_at
+                if before_me and max(it.ready_at, self.started_at) < now - ALLOCS_LOST_AFTER_S:
+                    # An alloc sent while no sender listened may be gone with the dead one's
+                    # connection, and a receiver need not ask: the room fails within a bound.
+                    self._fail(room, tx, f"allocs for item {i} incomplete {ALLOCS_LOST_AFTER_S:g} s after "
+                               f"the sender stage was restarted: any sent while it was down may be lost",
+                               ReasonCode.BOOTSTRAP_TIMEOUT)
+                    break
+                if it.ready_at < limit:
                     reason = (f"allocs for item {i} incomplete {self.bootstrap_timeout_s:g} s "
                               f"after its embedding was ready (bootstrap_timeout_s)")
-                    entry = self.rooms.get(tx.slot)
-                    if entry is not None and entry.created < self.started_at:
+                    if before_me:
                         reason += ("; the sender stage was restarted after the room arrived, "
                                    "and allocs its predecessor had received were lost with it")
                     self._fail(room, tx, reason, ReasonCode.BOOTSTRAP_TIMEOUT)

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from stages import progress
 from stages.towers.base import (
     DTYPES, DoneJob, Setting, SettingError, Tower, TowerError, TowerJob, TowerSpec, grids, numpy_dtype,
 )
@@ -75,6 +76,7 @@ def _load_visual_state_dict(path: str) -> dict:
                 for prefix in _VISUAL_PREFIXES:
                     if key.startswith(prefix):
                         state[key[len(prefix):]] = f.get_tensor(key)
+                        progress.report()  # a hung filesystem stops these: the start is given up
                         break
     if not state:
         raise TowerError(
@@ -154,6 +156,7 @@ class _QwenTower(Tower):
                  attn_implementation: str | None = None):
         import torch
 
+        progress.report()  # torch imported: it may take a while on a cold cache
         if (config is None) == (checkpoint is None):
             raise ValueError(f"{self.kind}: give exactly one of config='tiny' (or a dict) or checkpoint=PATH")
         self.device = torch.device(device or (f"cuda:{gpu}" if torch.cuda.is_available() else "cpu"))
@@ -178,6 +181,7 @@ class _QwenTower(Tower):
                 from contextlib import nullcontext as no_init_weights
             with no_init_weights():
                 model = model_cls(vcfg)
+            progress.report()
             missing, unexpected = model.load_state_dict(state, strict=False)
             if missing or unexpected:
                 raise TowerError(
@@ -188,7 +192,9 @@ class _QwenTower(Tower):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 model = model_cls(vcfg)
+        progress.report()
         self.model = model.to(device=self.device, dtype=tdtype).eval().requires_grad_(False)
+        progress.report()
         self.config = vcfg
         merge = int(vcfg.spatial_merge_size)
         patch = int(vcfg.patch_size)

@@ -7,6 +7,7 @@ a time, and whose rows are a cheap deterministic function of the pixels
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import time
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from stages import progress
 from stages.towers.base import (
     DTYPES, MODALITIES, Setting, TimedJob, Tower, TowerError, TowerJob, TowerSpec, numpy_dtype,
 )
@@ -119,6 +121,10 @@ class SimTower(Tower):
         Setting("sim_time_per_row_s", 2e-6, "sim tower: simulated device time per output row, seconds",
                 minimum=0),
         Setting("sim_fail_batches", 0, "fault injection: the sim tower fails its first N batches", minimum=0),
+        Setting("sim_load_s", 0.0, "sim tower: seconds its start spends loading, reporting progress as a real "
+                                   "tower's load does", minimum=0),
+        Setting("sim_load_stall_file", "", "fault injection: while this file exists, the sim tower's load makes "
+                                           "no progress (a load that hangs)"),
     )
 
     @classmethod
@@ -144,6 +150,7 @@ class SimTower(Tower):
         self.fail_next = int(s["fail_batches"])
         self._lock = threading.Lock()
         self._pattern = _sim_pattern(s["dtype"])
+        _simulate_load(float(s["load_s"]), s["load_stall_file"])
 
     def _start(self, items, outs, spans) -> TowerJob:
         for item, (main, deep), span in zip(items, outs, spans):
@@ -162,6 +169,19 @@ class SimTower(Tower):
         if fail:
             return _FailingTimedJob(ready_at, TowerError("sim: injected failure"))
         return TimedJob(ready_at)
+
+
+def _simulate_load(load_s: float, stall_file: str) -> None:
+    """A load of `load_s` seconds in steps, each reported as progress; while `stall_file`
+    exists it waits and reports nothing, as a read from a hung filesystem would."""
+    end = time.monotonic() + load_s
+    while True:
+        while stall_file and os.path.exists(stall_file):
+            time.sleep(0.05)
+        if time.monotonic() >= end:
+            return
+        time.sleep(min(0.1, max(0.0, end - time.monotonic())))
+        progress.report()
 
 
 class _FailingTimedJob(TimedJob):
