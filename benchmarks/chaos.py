@@ -48,7 +48,9 @@ refilled as they conclude, not a rate; half the items are fanout 2; the caches h
 items, so most items go through the tower. Every 0.5-1.2 s one of: a stage SIGKILLed (a
 stage that holds rooms, by the room table's custody bits, more often than not, after
 waiting up to HOLD_WAIT_S for it to hold one); two stages within 50 ms; a stage and then
-its successor while it starts (or just after); now and then a SIGSTOP past
+its successor while it starts (or just after); a stage killed and its successor SIGSTOPped
+while it starts (issue #37: the supervisor gives that start up after stage_start_timeout_s
+and starts another, holding up nothing else meanwhile); now and then a SIGSTOP past
 `heartbeat_timeout_s` (4 s here); receiver kills as above. `bootstrap_timeout_s` is 10 s;
 `restart_window_s` 5 s keeps the supervisor's restart backoff short (kills this frequent
 would otherwise keep it at its 2 s cap).
@@ -59,7 +61,9 @@ bootstrap_timeout_s) of being sent, counting only time when every stage was up a
 stopped (so the time to restart what died is added), plus HUNG_GRACE_S (2 s). A room
 over it, or never concluded at a receiver alive to hear it (known limit 1 aside), is hung.
 
-Besides the rest, the JSON has: `rooms_hung`; `duplicate_statuses` (a second terminal
+Besides the rest, the JSON has: `rooms_hung`; `longest_outage_s` (the longest time during
+the chaos in which no room succeeded at any receiver, with rooms in flight all along: the
+worker served nothing); `duplicate_statuses` (a second terminal
 status for a (room, item), or success after failed, at one receiver); `wrong_rows` (rows
 that differ from the sim tower's after success, or buffers written after failed);
 `digest_mismatches` (a success whose digest, protocol 1.1, its receiver's rows do not

@@ -30,9 +30,10 @@ def chaos_event(c) -> None:
 
 def dense_event(c) -> None:
     """--dense: a kill of one stage, of two within 50 ms, of one and then of its successor
-    while it starts; now and then a SIGSTOP or a receiver kill."""
-    kind = c.rng.choices(["kill_stage", "kill_two", "kill_starting", "stop_stage", "kill_receiver",
-                             "kill_receiver_before_alloc"], weights=[10, 4, 3, 1, 2, 1])[0]
+    while it starts, or of one and a SIGSTOP of its successor while it starts (the
+    supervisor must give that start up); now and then a SIGSTOP or a receiver kill."""
+    kind = c.rng.choices(["kill_stage", "kill_two", "kill_starting", "stop_starting", "stop_stage",
+                          "kill_receiver", "kill_receiver_before_alloc"], weights=[10, 4, 3, 2, 1, 2, 1])[0]
     if kind in ("kill_receiver", "kill_receiver_before_alloc"):
         kill_receiver(c, kind)
         return
@@ -40,6 +41,8 @@ def dense_event(c) -> None:
     names = [n for n in registry.stage_names(c.w.cfg.tower_replicas) if n != stopped and c.live_stage_pid(n)]
     if kind == "stop_stage" and stopped:
         kind = "kill_stage"  # one stopped stage at a time: the watch follows one
+    if kind == "stop_starting" and stopped:
+        kind = "kill_starting"
     if not names or (kind == "kill_two" and len(names) < 2):
         c.log(f"{kind}: too few stages up right now, skipped")
         return
@@ -62,7 +65,7 @@ def dense_event(c) -> None:
         pid = c.live_stage_pid(second)
         if pid is not None:
             signal_stage(c, second, pid, signal.SIGKILL, "within 50 ms of another")
-    elif kind == "kill_starting":
+    elif kind in ("kill_starting", "stop_starting"):
         def starting():
             proc = c.w.runtime.procs.get(first)
             return proc is not None and proc.pid != pid and proc.is_alive()
@@ -70,6 +73,12 @@ def dense_event(c) -> None:
             c.log(f"the {first} stage was not restarted within 10 s; no kill while it starts")
             return
         proc = c.w.runtime.procs[first]
+        if kind == "stop_starting":
+            # at once, or a moment into its start: it never becomes ready
+            c.tick_until(lambda: c.stage_ready(first), c.rng.uniform(0.0, 0.3))
+            if proc.is_alive() and not c.stage_ready(first):
+                signal_stage(c, first, proc.pid, signal.SIGSTOP, "its replacement, while it starts")
+            return
         # anywhere in its start: the interpreter's imports, or its start() picking up its
         # predecessor's state (READY is set only after that)
         c.tick_until(lambda: c.stage_ready(first), c.rng.uniform(0.0, 1.0))

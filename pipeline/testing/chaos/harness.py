@@ -79,6 +79,8 @@ class Chaos:
         self.told_lost: set[int] = set()    # rooms told_then_reaper_killed() excused at the end
         self.gave_up = False
         self.final_sent: list[int] = []
+        self.served_at: list[float] = []  # when a room succeeded at a receiver: the outages are the gaps
+        self.chaos_span = (0.0, 0.0)
         self.stopped: tuple | None = None   # (stage, pid, restarts before, deadline) of a SIGSTOPped stage
         self.signalled: Counter = Counter()  # stage -> the harness's SIGKILLs and SIGSTOPs of it
         self.unasked: Counter = Counter()    # stage -> deaths the harness did not cause
@@ -164,6 +166,7 @@ class Chaos:
                 ob["success"].add(item)
                 if ob["success"] == ob["items"]:
                     ob["done_at"] = at
+                    self.served_at.append(at)
             else:
                 ob["failed"], ob["failed_at"] = reason, at
                 ob.setdefault("done_at", at)
@@ -327,6 +330,7 @@ class Chaos:
         self.log(f"seed {self.s.seed}; worker up (prefix {self.prefix}); chaos for {self.s.chaos_s:g} s")
         self.wait_receivers_up()
         end = time.monotonic() + self.s.chaos_s
+        self.chaos_span = (time.monotonic(), end)
         next_event = time.monotonic() + self.rng.uniform(*self.s.event_every_s)
         self.next_send = time.monotonic()
         try:
@@ -480,6 +484,14 @@ class Chaos:
         self.w.close()
         self.stage_exit_codes = {name: p.exitcode for name, p in procs.items()}
 
+    def longest_outage(self) -> float:
+        """The longest time during the chaos in which no room succeeded at any receiver (the
+        load keeps rooms in flight all along, so the worker served nothing then)."""
+        begin, end = self.chaos_span
+        times = sorted(t for t in self.served_at if begin <= t <= end)
+        edges = [begin, *times, end]
+        return max(b - a for a, b in zip(edges, edges[1:]))
+
     def result(self) -> dict:
         t, ch = self.timeline, self.checks
         return {
@@ -498,6 +510,7 @@ class Chaos:
             "median_rooms_in_flight_at_kill": (statistics.median(t.in_flight_at_kill)
                                                if t.in_flight_at_kill else 0),
             "rooms_hung": len(ch.hung),
+            "longest_outage_s": round(self.longest_outage(), 1),
             "duplicate_statuses": self.violation_kinds["duplicate"],
             "wrong_rows": self.violation_kinds["wrong_rows"],
             "digest_mismatches": self.violation_kinds["digest_mismatch"],
