@@ -24,6 +24,7 @@ from ipc import shm
 from pipeline.client import Client, Item
 from pipeline.receiver import Receiver
 from tests.helpers import free_port, image
+from tests.test_supervised import Listener, probe_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -36,20 +37,24 @@ STAGES = ["intake", "cache", "scheduler", "tower", "sender", "reaper"]
 class Worker:
     """`run.py serve --mode pipeline --tower sim` in a process group of its own."""
 
-    def __init__(self, prefix: str, run_dir, **over):
+    def __init__(self, prefix: str, run_dir, notify: Listener | None = None, **over):
         self.prefix, self.run_dir = prefix, run_dir
+        self.metrics = free_port()
         self.intake, self.bootstrap = f"ipc://{run_dir}/intake.sock", f"tcp://127.0.0.1:{free_port()}"
         flags = dict(mode="pipeline", shm_prefix=prefix, run_dir=str(run_dir), intake=self.intake,
                      bootstrap=self.bootstrap, tower="sim", sim_hidden=64, sim_deepstack_width=32,
                      sim_dtype="bfloat16", pixel_arena_bytes=16 << 20, embedding_arena_bytes=16 << 20,
                      arena_cache_bytes=4 << 20, host_cache_bytes=4 << 20, ring_bytes=1 << 20,
                      max_tombstones=1024, max_live_rooms=256, heartbeat_timeout_s=HEARTBEAT_S,
-                     drain_timeout_s=5.0, bootstrap_timeout_s=60.0, restart_window_s=1.0, log_level="INFO")
+                     drain_timeout_s=5.0, bootstrap_timeout_s=60.0, restart_window_s=1.0, log_level="INFO",
+                     metrics_endpoint=f"127.0.0.1:{self.metrics}")
         flags.update(over)
         cmd = [sys.executable, "run.py", "serve"]
         for key, value in flags.items():
             cmd += ["--" + key.replace("_", "-"), str(value)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+        if notify is not None:
+            env["NOTIFY_SOCKET"] = notify.manager.env
         self.err_path = os.path.join(str(run_dir), "stderr")
         with open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, env=env,
@@ -205,6 +210,11 @@ def test_a_replacement_stopped_while_it_starts_holds_up_nothing(stage, shm_prefi
         w.wait_ready()
         before = w.stages()
         killed_at, room, rx = kill_and_stop_replacements(w, [stage])
+        # Meanwhile the loop turns (/healthz), and /readyz says which stage is not ready, since when.
+        code, body = probe_until(w.metrics, "/readyz", lambda c, b: c == 503 and stage in b.get("not_ready", ()),
+                                 timeout=BOUND_S)
+        assert code == 503 and stage in body["not_ready_since"] and stage in body["not_ready_for_s"], body
+        assert probe_until(w.metrics, "/healthz", lambda c, _: c == 200, timeout=10)[0] == 200
         # The stopped replacement is given up and replaced: served again within the bound.
         assert w.served(killed_at + BOUND_S + 5 - time.monotonic()), w.stderr()
         assert_concluded(w, room, rx, killed_at, [stage])
@@ -218,15 +228,24 @@ def test_a_replacement_stopped_while_it_starts_holds_up_nothing(stage, shm_prefi
 
 
 def test_two_stages_starting_at_once(shm_prefix, tmp_path):
-    w = Worker(shm_prefix, tmp_path)
+    listener = Listener(str(tmp_path / "notify"))
+    w = Worker(shm_prefix, tmp_path, notify=listener)
     try:
         w.wait_ready()
         killed_at, room, rx = kill_and_stop_replacements(w, ["scheduler", "sender"])
         assert w.served(killed_at + BOUND_S + 5 - time.monotonic()), w.stderr()
         assert_concluded(w, room, rx, killed_at, ["scheduler", "sender"])
+        # The service manager heard which stages were not ready, and since when, and then "serving".
+        with listener.lock:
+            statuses = [line for _, lines in listener.got for line in lines if line.startswith("STATUS=")]
+        degraded = [line for line in statuses if "not ready since" in line]
+        assert any("the scheduler stage" in line for line in degraded), statuses
+        assert any("the sender stage" in line for line in degraded), statuses
+        assert "STATUS=serving" in statuses[statuses.index(degraded[-1]):], statuses
         assert w.stop() == 0, w.stderr()
     finally:
         w.close()
+        listener.close()
 
 
 def test_a_tower_load_that_stops_progressing_is_a_hang_one_that_progresses_is_not(shm_prefix, tmp_path):
