@@ -35,6 +35,7 @@ from pipeline.tokenspeed_front import Fronts, start_fronts
 from pipeline.stage_process import DUMP_STACKS, stage_process
 from pipeline.starts import FAILED, READY, Start
 from stages import registry
+from stages.records import IntakeRestarted
 from stages.registry import REQUEST_STAGE, SUPERVISOR
 
 log = logging.getLogger("epd.supervisor")
@@ -287,6 +288,8 @@ class Supervisor:
             log.warning("restarted the %s stage (pid %d, restart %d, ready %.1f s after its spawn)",
                         name, st.proc.pid, self.restart_counts[name], now - st.spawned_at)
             self.hb.row(name)[Heartbeats.RESTARTS] = self.restart_counts[name]
+            if name == REQUEST_STAGE:  # requests in its predecessor's socket died with it
+                self.tell_reaper(IntakeRestarted(now))
         elif state == FAILED:
             del self.starting[name]
             log.error("the %s stage (pid %d) %s: killing it", name, st.proc.pid, why)

@@ -31,9 +31,9 @@ from ipc.stats import Histogram, ReasonCode, reason_class
 from ipc.wire import Register
 from stages import registry
 from stages.base import Stage
-from stages.records import (OWNER_REAPER, AllocSeen, Fence, Fenced, ItemDone, LateAlloc, Queried, Registered,
-                            RoomAbandoned, RoomFailure, RoomOpened, RoomsLost, RoomSucceeded, ShardWritten,
-                            UnknownRoom)
+from stages.records import (OWNER_REAPER, AllocSeen, Fence, Fenced, IntakeRestarted, ItemDone, LateAlloc,
+                            Queried, Registered, RoomAbandoned, RoomFailure, RoomOpened, RoomsLost, RoomSucceeded,
+                            ShardWritten, UnknownRoom)
 from stages.status_pusher import StatusPusher
 
 log = logging.getLogger("epd.reaper")
@@ -131,6 +131,8 @@ class ReaperStage(Stage):
                 self._fail(rec)
             case RoomsLost():
                 self._on_rooms_lost(rec)
+            case IntakeRestarted():
+                self.emit(registry.SENDER, rec)  # its held allocs: the sender's to answer
             case Registered(registration=reg):
                 self._registered(reg)
             case AllocSeen(room=room, receiver=receiver):

@@ -38,6 +38,8 @@ tower replica (stages/registry.py), and a tower's records to the scheduler name 
 | RoomSucceeded | reaper | sender | the room succeeded: drop what is left of it |
 | RoomAbandoned | reaper | cache, scheduler | the room failed: drop its items that wait |
 | RoomsLost | supervisor | reaper | rooms a dead stage held (or live at a drain's end): fail them |
+| IntakeRestarted | supervisor | reaper | a new intake process is ready: requests in its predecessor's socket are gone |
+| IntakeRestarted | reaper | sender | the same: allocs held since before it for rooms never seen are answered soon |
 """
 from __future__ import annotations
 
@@ -221,6 +223,11 @@ class RoomsLost:
     reason: str
     died: str = ""  # the stage that died holding them; "" at a drain's end
 
+
+
+@dataclass(frozen=True, slots=True)
+class IntakeRestarted:
+    at: float  # time.monotonic() when the successor was ready
 
 
 # Records whose consumer needs them no sooner than its next wake-up (at most

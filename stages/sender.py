@@ -23,7 +23,7 @@ from ipc.wire import Alloc, Cancel, ProtocolError, Query, Register
 from stages import registry
 from stages.alloc_checks import RowShape, alloc_problem, tiling_problem
 from stages.base import POLL_S, Stage
-from stages.records import (OWNER_SENDER, AllocSeen, Fence, Fenced, ItemDone, LateAlloc,
+from stages.records import (OWNER_SENDER, AllocSeen, Fence, Fenced, IntakeRestarted, ItemDone, LateAlloc,
                             Queried, ReadyItem, Registered, RoomFailure, RoomOpened, RoomSucceeded,
                             ShardWritten, UnknownRoom)
 from stages.registrations import Registrations
@@ -107,6 +107,7 @@ class SenderStage(Stage):
         self.transfer_seconds = Histogram()
         self.alloc_wait = Histogram()  # an item's embedding ready here to its allocs complete
         self.started_at = time.monotonic()
+        self.intake_back_at = float("-inf")  # when an intake successor was last ready
         self.writing: set[int] = set()  # rooms with writes in flight
         self._timeouts_at = 0.0
         self._logged: set[str] = set()
@@ -135,6 +136,8 @@ class SenderStage(Stage):
                 self._fence(room)
             case RoomSucceeded(room=room):
                 self._forget(room)
+            case IntakeRestarted(at=at):
+                self.intake_back_at = max(self.intake_back_at, at)
             case _:
                 raise ValueError(f"sender: unexpected record from {source}: {rec!r}")
 
@@ -454,10 +457,15 @@ class SenderStage(Stage):
         for room, held in list(self.held.items()):
             keep = []
             for t, a, slot in held:
-                if t >= limit:
+                # A request sent before an intake's restart may have died in its socket: an
+                # alloc held since then is answered within a bound, not bootstrap_timeout_s.
+                lost = t < self.intake_back_at < now - ALLOCS_LOST_AFTER_S
+                if t >= limit and not lost:
                     keep.append((t, a, slot))
                     continue
-                self.emit(registry.REAPER, UnknownRoom(room, a.receiver, "unknown room"))
+                why = (f"no request for this room reached the worker within {ALLOCS_LOST_AFTER_S:g} s of the "
+                       f"intake stage's restart: one sent before it may be lost" if lost else "unknown room")
+                self.emit(registry.REAPER, UnknownRoom(room, a.receiver, why))
                 self.held_table.remove(slot)
                 self._disengage(a.receiver)
             self.n_held -= len(held) - len(keep)

@@ -20,12 +20,14 @@ from tests.helpers import image, sim_config, start_worker
 ON_DEATH_ONLY = {
     ("RoomFailure", "scheduler", "reaper"),  # pixels lost before scheduling
     ("RoomFailure", "tower", "reaper"),      # pixels or output space lost
+    ("IntakeRestarted", "reaper", "sender"),  # forwarded after an intake's restart (tests/test_start_hangs.py)
 }
 # Taken when the embedding arena runs short (tests/test_worker.py's give-back test).
 ON_SHORTAGE_ONLY = {("SpaceWanted", "scheduler", "cache")}
 # Written by the runtime itself, not emitted by a stage: to the reaper, and on a dead
 # tower's ring in its place (stages/registry.py's last_words).
-SENT_BY_THE_RUNTIME = {("RoomsLost", "supervisor", "reaper"), ("TowerDown", "tower", "scheduler")}
+SENT_BY_THE_RUNTIME = {("RoomsLost", "supervisor", "reaper"), ("TowerDown", "tower", "scheduler"),
+                       ("IntakeRestarted", "supervisor", "reaper")}
 
 
 def table() -> set[tuple[str, str, str]]:

@@ -293,3 +293,24 @@ def test_a_stage_that_hangs_at_every_start_ends_the_run(shm_prefix, tmp_path):
         assert not shm.list_objects(shm_prefix)
     finally:
         w.close()
+
+
+def test_a_request_lost_in_a_dead_intakes_socket_is_answered_within_the_bound(shm_prefix, tmp_path):
+    """A request in a stopped intake's socket dies with it when it is killed; the receiver
+    that allocated for it hears `failed`, naming intake, within the bound, not at
+    bootstrap_timeout_s (60 s here)."""
+    w = Worker(shm_prefix, tmp_path)
+    try:
+        w.wait_ready()
+        intake = w.stages()["intake"]
+        os.kill(intake, signal.SIGSTOP)
+        room, rx = w.room()  # its request waits in the stopped intake's socket; its alloc is held
+        time.sleep(0.5)  # nothing to wait on: the frame's way into a stopped process's socket
+        killed_at = time.monotonic()
+        os.kill(intake, signal.SIGKILL)
+        assert_concluded(w, room, rx, killed_at, ["intake"])
+        assert room in rx.failed, "the request was not lost: this test tests nothing"
+        assert w.served(30), w.stderr()
+        assert w.stop() == 0, w.stderr()
+    finally:
+        w.close()
