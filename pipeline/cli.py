@@ -53,7 +53,7 @@ EXIT_CODES = {
     "demo": "0 every room succeeded; 1 a room failed, a protocol violation, or a stage kept dying "
             "(restart_limit); 2 bad configuration or flags; 3 the worker could not start",
     "serve": "0 stopped by SIGTERM/SIGINT after draining; 1 a stage kept dying (more than restart_limit "
-             "restarts in restart_window_s); 2 bad configuration or flags; 3 the worker could not start",
+             "restarts in restart_window_s, or restart_limit + 1 failed starts in a row); 2 bad configuration or flags; 3 the worker could not start",
     "config": "0 the configuration is valid; 2 bad configuration or flags",
     "status": "0 a worker with this shm prefix is running; 2 bad configuration or flags; "
               "4 no worker with this shm prefix is running",

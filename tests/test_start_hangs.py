@@ -134,6 +134,11 @@ class Worker:
         for obj in reversed(self.made):
             obj.close()
         self.made = []
+        # A request that died in a killed intake's socket leaves its pixel segment the
+        # gateway's to remove (docs/design.md, known limit 3): this test's gateway does.
+        for name in os.listdir(shm.SHM_DIR):
+            if name.startswith(f"{self.prefix}.px."):
+                os.unlink(os.path.join(shm.SHM_DIR, name))
 
 
 class Stopper:

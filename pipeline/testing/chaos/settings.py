@@ -43,6 +43,7 @@ class ChaosSettings:
     arena_cache_bytes: int = 2 << 20
     host_cache_bytes: int = 4 << 20
     restart_window_s: float = 60.0
+    stage_start_timeout_s: float = 8.0  # the worker's default
     # known limit 1 excuses a room that concluded this long before a reaper kill (or stop)
     reaper_loss_before_s: float = 5.0
 
@@ -54,10 +55,12 @@ class ChaosSettings:
         frequent would otherwise keep it at its 2 s cap and the pipeline mostly down. Known
         limit 1 covers statuses sent "in the microseconds before" a reaper kill: with a reaper
         killed every few seconds, the 5 s window of the sparse mode would excuse a third of
-        the run, and it hid rooms one receiver heard and another did not."""
+        the run, and it hid rooms one receiver heard and another did not. A replacement
+        SIGSTOPped in its start is given up after 3 s rather than the default's 8: with
+        kills this frequent, a longer stall leaves the stages holding nothing to kill."""
         kw = dict(event_every_s=(0.5, 1.2), heartbeat_timeout_s=4.0, bootstrap_timeout_s=10.0,
                   dense=True, fanout2_p=0.5, arena_cache_bytes=48 << 10, host_cache_bytes=96 << 10,
-                  restart_window_s=5.0, reaper_loss_before_s=1.0)
+                  restart_window_s=5.0, reaper_loss_before_s=1.0, stage_start_timeout_s=3.0)
         kw.update(over)
         return cls(chaos_s=chaos_s, seed=seed, **kw)
 
@@ -79,4 +82,5 @@ class ChaosSettings:
             # every room stays in the table to the end, for the verdicts (send_room stops short of it)
             max_tombstones=self.max_rooms + 1000, tombstone_ttl_s=3600.0,
             bootstrap_timeout_s=self.bootstrap_timeout_s, heartbeat_timeout_s=self.heartbeat_timeout_s,
-            restart_limit=1_000_000, restart_window_s=self.restart_window_s, drain_timeout_s=5.0)
+            restart_limit=1_000_000, restart_window_s=self.restart_window_s, drain_timeout_s=5.0,
+            stage_start_timeout_s=self.stage_start_timeout_s)

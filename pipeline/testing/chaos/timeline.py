@@ -32,11 +32,13 @@ class KillTimeline:
         self.log(f"{sig} {what} {name} (pid {pid}){'' if held is None else f' holding {held} rooms'} "
                  f"{note}".rstrip())
 
-    def stage_signalled(self, name: str, held: int, in_flight: int, now: float, killed_by: float) -> None:
+    def stage_signalled(self, name: str, held: int, in_flight: int, now: float, killed_by: float,
+                        counted: bool = True) -> None:
         """A stage was SIGKILLed at `now` (or SIGSTOPped, then the supervisor kills it by
         `killed_by`) holding `held` rooms, `in_flight` rooms open at the receivers."""
-        self.held_at_kill.append(held)
-        self.in_flight_at_kill.append(in_flight)
+        if counted:
+            self.held_at_kill.append(held)
+            self.in_flight_at_kill.append(in_flight)
         self.start_degraded(now)
         self.died(name, now, killed_by)
 
