@@ -319,3 +319,52 @@ def test_a_request_lost_in_a_dead_intakes_socket_is_answered_within_the_bound(sh
         assert w.stop() == 0, w.stderr()
     finally:
         w.close()
+
+
+# ------------------------------------------------------------------ the bound, without processes
+class _Alive:
+    pid, exitcode = 1, None
+
+    def is_alive(self) -> bool:
+        return True
+
+
+class _Silent:
+    def poll(self, timeout=0) -> bool:
+        return False
+
+
+def _start(name: str, short=8.0, stall=4.0, cap=300.0):
+    from pipeline.starts import Start
+
+    return Start(name, _Alive(), _Silent(), spawned_at=100.0, short_s=short, stall_s=stall, cap_s=cap)
+
+
+def test_a_stage_that_loads_nothing_has_the_short_bound_whatever_its_heartbeat_says():
+    from pipeline.boards import Heartbeats
+    from pipeline.starts import FAILED, WAITING
+
+    row = [0.0] * Heartbeats.FIELDS
+    row[Heartbeats.BEAT] = 107.9
+    st = _start("sender")
+    assert st.poll(row, 107.9)[0] == WAITING
+    state, why = st.poll(row, 108.1)
+    assert state == FAILED and "stage_start_timeout_s" in why
+
+
+def test_a_tower_is_given_up_only_when_its_load_stops_progressing_or_at_the_cap():
+    from pipeline.boards import Heartbeats
+    from pipeline.starts import FAILED, WAITING
+
+    row = [0.0] * Heartbeats.FIELDS
+    st = _start("tower0")
+    for now in (101.0, 120.0, 200.0, 399.0):  # progress a moment ago, each time: a slow load
+        row[Heartbeats.BEAT] = now - 1.0
+        assert st.poll(row, now)[0] == WAITING, now
+    assert st.poll(row, 400.5)[0] == FAILED  # start_timeout_s caps it
+    row[Heartbeats.BEAT] = 150.0
+    assert st.poll(row, 153.9)[0] == WAITING
+    state, why = st.poll(row, 154.1)  # no progress for heartbeat_timeout_s
+    assert state == FAILED and "no load progress" in why
+    row[Heartbeats.BEAT] = 100.0  # none at all: no sooner than the short bound
+    assert st.poll(row, 107.9)[0] == WAITING and st.poll(row, 108.1)[0] == FAILED
