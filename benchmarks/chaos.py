@@ -50,7 +50,7 @@ stage that holds rooms, by the room table's custody bits, more often than not, a
 waiting up to HOLD_WAIT_S for it to hold one); two stages within 50 ms; a stage and then
 its successor while it starts (or just after); a stage killed and its successor SIGSTOPped
 while it starts (issue #37: the supervisor gives that start up after stage_start_timeout_s,
-3 s here, and starts another, holding up nothing else meanwhile); now and then a SIGSTOP past
+its default, and starts another, holding up nothing else meanwhile); now and then a SIGSTOP past
 `heartbeat_timeout_s` (4 s here); receiver kills as above. `bootstrap_timeout_s` is 10 s;
 `restart_window_s` 5 s keeps the supervisor's restart backoff short (kills this frequent
 would otherwise keep it at its 2 s cap).

@@ -256,7 +256,7 @@ def test_two_stages_starting_at_once(shm_prefix, tmp_path):
 def test_a_tower_load_that_stops_progressing_is_a_hang_one_that_progresses_is_not(shm_prefix, tmp_path):
     stall = tmp_path / "stall"
     # The tower's load takes longer than stage_start_timeout_s, and progresses: left alone.
-    w = Worker(shm_prefix, tmp_path, sim_load_s=6.0, stage_start_timeout_s=3.0, sim_load_stall_file=stall)
+    w = Worker(shm_prefix, tmp_path, sim_load_s=8.0, stage_start_timeout_s=5.0, sim_load_stall_file=stall)
     try:
         w.wait_ready()
         assert "restarted the tower" not in w.stderr() and "failed to start" not in w.stderr()
@@ -280,7 +280,7 @@ def test_a_tower_load_that_stops_progressing_is_a_hang_one_that_progresses_is_no
 
 
 def test_a_stage_that_hangs_at_every_start_ends_the_run(shm_prefix, tmp_path):
-    limit, start_s = 2, 3.0
+    limit, start_s = 2, 5.0
     w = Worker(shm_prefix, tmp_path, restart_limit=limit, stage_start_timeout_s=start_s)
     try:
         w.wait_ready()
