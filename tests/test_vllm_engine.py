@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -246,6 +247,62 @@ def test_a_dead_engines_segment_is_swept_at_start(sim):
         assert not set(left) & set(shm.list_objects(prefix))
     finally:
         sched.shutdown()
+
+
+def serve_sim(prefix: str, where: Path, bootstrap: str) -> subprocess.Popen:
+    """`run.py serve` (in process, the sim tower) in a session of its own, once it serves."""
+    args = dict(shm_prefix=prefix, run_dir=str(where), intake=f"ipc://{where}/intake.sock", bootstrap=bootstrap,
+                tower="sim", sim_hidden=64, sim_deepstack_width=32, pixel_arena_bytes=16 << 20,
+                embedding_arena_bytes=16 << 20, arena_cache_bytes=4 << 20, max_tombstones=1024, max_live_rooms=256)
+    cmd = [sys.executable, "run.py", "serve", "--mode", "inprocess"]
+    for key, value in args.items():
+        cmd += ["--" + key.replace("_", "-"), str(value)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    line = proc.stdout.readline()  # printed once it serves
+    if not line.startswith("serving"):
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"run.py serve did not start: {line!r}")
+    return proc
+
+
+def test_requests_right_after_a_worker_restart_succeed(tmp_path):
+    """A worker SIGKILLed with a room in flight and started again: it has no
+    registrations, yet each request sent once it serves gets its rows (the allocs
+    register the engine themselves), far within register_every_s; the room the dead
+    worker held fails soon, with the reason (a query after query_after_s), not at
+    deadline_s."""
+    prefix, conn_prefix = f"t{TOKEN}_{os.getpid()}_vrw", f"t{TOKEN}_{os.getpid()}_vrx"
+    bootstrap = f"tcp://127.0.0.1:{free_port()}"
+    proc = serve_sim(prefix, tmp_path, bootstrap)
+    sched = EPDConnector(fake_config(bootstrap, conn_prefix, query_after_s=1.0), ECConnectorRole.SCHEDULER)
+    client = Client(f"ipc://{tmp_path}/intake.sock", prefix)
+    try:
+        client.encode(21, "r21", [Item("image", *image(21))])
+        served = fake_request("a", 21, bootstrap, ["u21"])
+        wait_for(lambda: sched.ensure_cache_available(served, 0), 30, "room 21's rows")
+        sched.request_finished(served)
+        inflight = fake_request("b", 22, bootstrap, ["u22"])  # allocated; its encode never comes
+        assert not sched.ensure_cache_available(inflight, 0)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc = serve_sim(prefix, tmp_path, bootstrap)
+        for room in (23, 24, 25):
+            client.encode(room, f"r{room}", [Item("image", *image(room))])
+            req = fake_request(f"n{room}", room, bootstrap, [f"u{room}"])
+            wait_for(lambda: sched.ensure_cache_available(req, 0), 15, f"room {room}'s rows after the restart")
+            sched.request_finished(req)
+        wait_for(lambda: "b" in sched.unavailable, 30, "the dead worker's room to fail",
+                 step=lambda: sched.ensure_cache_available(inflight, 0))
+        assert "unknown room" in sched.unavailable["b"], sched.unavailable["b"]
+        sched.request_finished(inflight)
+    finally:
+        client.close()
+        sched.shutdown()
+        proc.terminate()
+        proc.wait(60)
+    assert not shm.list_objects(prefix) and not shm.list_objects(conn_prefix)
 
 
 def test_proxy_replaces_each_image_by_its_grid_and_uuid(tmp_path):

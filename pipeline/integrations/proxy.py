@@ -98,6 +98,7 @@ class Proxy:
         self.lock = threading.Lock()  # the client's sockets are used by one thread at a time
         self.vllm = urllib.parse.urlsplit(vllm)
         self.deadline_ms = deadline_ms
+        self.retries = 0  # requests sent again in a new room after vLLM answered an error
 
     def prepare(self, body: dict, request_id: str) -> dict:
         """The body to forward: encodes its images first (sends the room to a worker)."""
@@ -128,23 +129,40 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length)
+        retry = None
         if self.path.rstrip("/").endswith("/chat/completions"):
             try:
                 body = json.loads(raw)
-                raw = json.dumps(self.proxy.prepare(body, f"proxy-{secrets.token_hex(6)}")).encode()
+                raw, encoded = self.prepared(body)
             except ValueError as e:  # BadRequest, bad JSON, an image its processor refuses
                 return self.reply(400, {"error": {"message": str(e), "type": "BadRequestError", "code": 400}})
             except Exception as e:  # the worker unreachable, ...: this request fails, the proxy serves on
                 return self.reply(500, {"error": {"message": f"proxy: {e!r}", "type": "InternalServerError",
                                                   "code": 500}})
-        self.forward(raw)
+            if encoded:
+                # vLLM answers a room that failed (its worker restarted and lost it, a
+                # deadline passed) with a bare 500: the request is tried once more in a
+                # new room. vLLM's own errors are answered before any token, so nothing
+                # reached the client yet.
+                retry = lambda: self.prepared(body)[0]  # noqa: E731
+        self.forward(raw, retry)
 
-    def forward(self, raw: bytes | None) -> None:
+    def prepared(self, body: dict) -> tuple[bytes, bool]:
+        """The body to forward, and whether it has a room."""
+        out = self.proxy.prepare(body, f"proxy-{secrets.token_hex(6)}")
+        return json.dumps(out).encode(), "ec_transfer_params" in out and "ec_transfer_params" not in body
+
+    def forward(self, raw: bytes | None, retry=None) -> None:
         conn = self.proxy.connection()
         try:
             headers = {"Content-Type": self.headers.get("Content-Type", "application/json")}
             conn.request(self.command, self.path, body=raw, headers=headers)
             resp = conn.getresponse()
+            if resp.status >= 500 and retry is not None:
+                resp.read()
+                conn.close()
+                self.proxy.retries += 1
+                return self.forward(retry())
             self.send_response(resp.status)
             for key in ("Content-Type",):
                 if resp.getheader(key):

@@ -80,6 +80,7 @@ class Settings:
     workers: tuple[str, ...]  # bootstrap endpoints a request may name
     buffer_bytes: int
     deadline_s: float
+    query_after_s: float
     hostname: str
     hidden: int
     deepstack_width: int
@@ -108,6 +109,7 @@ class Settings:
         return cls(workers=tuple(workers),
                    buffer_bytes=int(extra.get("buffer_bytes", ec.ec_buffer_size)),
                    deadline_s=float(extra.get("deadline_s", 60.0)),
+                   query_after_s=float(extra.get("query_after_s", 5.0)),
                    hostname=str(extra.get("hostname", "127.0.0.1")),
                    hidden=int(extra.get("hidden", hidden)),
                    deepstack_width=int(extra.get("deepstack_width", layers * hidden)),
@@ -183,7 +185,13 @@ class EPDConnector(ECConnectorBase):
         buffer = np.frombuffer(self.segment.buf, dtype=np.uint8)
         self.receiver = Receiver(f"vllm-{socket.gethostname()}-{os.getpid()}-{self.lock.run_id}",
                                  list(s.workers), buffer=buffer, hostname=s.hostname,
-                                 curve_cert=s.curve_cert, worker_cert=s.worker_cert)
+                                 curve_cert=s.curve_cert, worker_cert=s.worker_cert,
+                                 # A restarted worker has no registrations: each alloc
+                                 # registers this engine itself, and a room that heard
+                                 # nothing is asked about soon (the query registers first),
+                                 # so a room the dead worker held fails at once ("unknown
+                                 # room") rather than at deadline_s.
+                                 self_describing=True, query_after_s=s.query_after_s)
         self.rooms: dict[str, Room] = {}          # request id -> its room
         # request id -> (room, worker, items) not allocated: vLLM's encoder cache holds its items
         self.deferred: dict[str, tuple[int, str, dict[str, int]]] = {}
