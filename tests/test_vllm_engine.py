@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -361,7 +362,8 @@ def engine(kind: str, tmp: Path):
         proc, url = start_server(model, ec, str(log), pythonpath=[str(ROOT / "tests")])
         try:
             wait_ready(proc, url, str(log))
-            yield SimpleNamespace(kind=kind, model=model, worker=worker, url=url, record=record, log=log)
+            yield SimpleNamespace(kind=kind, model=model, worker=worker, url=url, record=record, log=log,
+                                  proc=proc)
         finally:
             stop(proc)
     finally:
@@ -488,6 +490,49 @@ def test_an_aborted_request_frees_its_room(qwen25):
     with pytest.raises((TimeoutError, urllib.error.URLError, OSError)):
         post(server.url, body, timeout=2)
     wait_for(lambda: concluded(qwen_worker, "failed", "canceled"), 60, "the worker to cancel room 104")
+
+
+def test_vllm_idles_while_a_request_waits_on_its_room(qwen25):
+    """While the only request waits for its room's rows, vLLM's processes (API server,
+    engine core, model runner) together use little CPU; then its rows come and it is
+    served."""
+    import psutil
+
+    e = qwen25
+    item = proxy_mod.Preprocessor(e.model).image(picture(5))
+    uuid = f"{routing_key([item]):016x}"
+    body = chat(e.model, {"type": "image_embeds", "image_embeds": {"image_grid_thw": item.grid_thw[0]},
+                          "uuid": uuid},
+                ec_transfer_params={"room": 108, "worker": e.worker.cfg.bootstrap, "items": {uuid: 0}})
+    reply: dict = {}
+    sender = threading.Thread(target=lambda: reply.update(zip(("status", "body"), post(e.url, body))))
+    held = e.worker.stats().get("sender_held_allocs", 0)
+    sender.start()
+    wait_for(lambda: e.worker.stats().get("sender_held_allocs", 0) > held, 30, "room 108's alloc at the worker")
+    server = psutil.Process(e.proc.pid)
+    procs = [server, *server.children(recursive=True)]
+
+    def cpu() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in procs)
+
+    # vLLM's model runner busy-polls its queue for a second after each step it reads:
+    # the window starts once it has stopped (or after 5 s of it not stopping).
+    end = time.monotonic() + 5
+    while time.monotonic() < end:
+        before = cpu()
+        time.sleep(0.25)
+        if cpu() - before < 0.05:
+            break
+    before, start = cpu(), time.monotonic()
+    time.sleep(3)  # the window the CPU is measured over, the request waiting throughout
+    cores = (cpu() - before) / (time.monotonic() - start)
+    print(f"vLLM's processes while a request waits on its room: {cores:.3f} cores")
+    client = Client(e.worker.cfg.intake, e.worker.cfg.shm_prefix)
+    client.encode(108, "idle", [item])
+    client.close()
+    sender.join(60)
+    assert reply.get("status") == 200, reply
+    assert cores < 0.3, f"vLLM used {cores:.2f} cores while its only request waited on the connector"
 
 
 def test_a_hit_in_vllms_encoder_cache_cancels_the_room_at_the_worker(qwen25):
