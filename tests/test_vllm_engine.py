@@ -306,6 +306,56 @@ def test_requests_right_after_a_worker_restart_succeed(tmp_path):
     assert not shm.list_objects(prefix) and not shm.list_objects(conn_prefix)
 
 
+def test_the_proxy_leaves_no_pixels_of_a_dead_worker(tmp_path):
+    """A worker SIGKILLed, the proxy's encodes go unread, and vLLM (a stand-in that
+    fails every request, as vLLM does a room whose worker is gone) answers 500: the
+    proxy tries once more in a new room, then answers the error, and neither room's
+    pixel segment is left in /dev/shm."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    prefix = f"t{TOKEN}_{os.getpid()}_vpx"
+    bootstrap = f"tcp://127.0.0.1:{free_port()}"
+    worker = serve_sim(prefix, tmp_path, bootstrap)
+    os.killpg(worker.pid, signal.SIGKILL)
+    worker.wait()
+    seen: list[dict] = []
+
+    class Failing(BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            data = b'{"error": {"message": "Internal server error", "code": 500}}'
+            self.send_response(500)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            return None
+
+    vllm = ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    threading.Thread(target=vllm.serve_forever, daemon=True).start()
+    proxy = proxy_mod.Proxy(proxy_mod.Preprocessor(build_model(str(tmp_path / "model"))),
+                            [proxy_mod.WorkerAddress(f"ipc://{tmp_path}/intake.sock", bootstrap, prefix)],
+                            f"http://127.0.0.1:{vllm.server_address[1]}")
+    front = proxy_mod.serve(proxy, "127.0.0.1", 0)
+    threading.Thread(target=front.serve_forever, daemon=True).start()
+    try:
+        status, _ = post(f"http://127.0.0.1:{front.server_address[1]}",
+                         chat("m", {"type": "image_url", "image_url": {"url": picture(9)}}))
+        assert status == 500 and len(seen) == 2
+        assert seen[0]["ec_transfer_params"]["room"] != seen[1]["ec_transfer_params"]["room"]
+        left = [n for n in os.listdir(shm.SHM_DIR) if n.startswith(prefix + ".px.")]
+        assert not left, f"pixel segments no worker will take: {left}"
+    finally:
+        front.shutdown()
+        front.server_close()
+        vllm.shutdown()
+        vllm.server_close()
+        proxy.close()
+        shm.sweep(prefix)
+    assert not shm.list_objects(prefix)
+
+
 def test_proxy_replaces_each_image_by_its_grid_and_uuid(tmp_path):
     """Identical images of a request are one item, text and other parts pass unchanged,
     and only data: URLs are taken."""

@@ -94,8 +94,10 @@ def measure(n: int, tmp: str) -> dict:
             body = chat(model, {"type": "image_url", "image_url": {"url": picture(seed, (224, 224))}},
                         max_tokens=1, top_logprobs=5)
             start = time.perf_counter()
-            reply = post(url, proxy.prepare(body, f"bench-{seed}") if path == "epd" else body)
+            sent = proxy.prepare(body, f"bench-{seed}") if path == "epd" else body
+            reply = post(url, sent)
             took = time.perf_counter() - start
+            proxy.conclude(sent)
             if measured:
                 ttft[path].append(took)
             return top_logprobs(reply)

@@ -108,15 +108,22 @@ class Proxy:
         room = secrets.randbits(63) + 1
         with self.lock:
             worker = self.client.encode(room, request_id, items, deadline_ms=self.deadline_ms)
-            self.client.forget(room)
         return dict(body, ec_transfer_params={"room": room, "worker": worker, "items": index})
+
+    def conclude(self, body: dict) -> None:
+        """vLLM has answered the prepared `body`: its room is over, and a pixel segment
+        the worker never took (the worker died, or never read the encode) is unlinked."""
+        params = body.get("ec_transfer_params")
+        if isinstance(params, dict):
+            with self.lock:
+                self.client.conclude(params["room"])
 
     def connection(self) -> http.client.HTTPConnection:
         return http.client.HTTPConnection(self.vllm.hostname, self.vllm.port or 80, timeout=600)
 
     def close(self) -> None:
         with self.lock:
-            self.client.close()
+            self.client.close(abandon=True)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -130,6 +137,7 @@ class Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length)
         retry = None
+        self.sent: list[dict] = []  # the bodies with a room this request sent to vLLM
         if self.path.rstrip("/").endswith("/chat/completions"):
             try:
                 body = json.loads(raw)
@@ -145,12 +153,19 @@ class Handler(BaseHTTPRequestHandler):
                 # new room. vLLM's own errors are answered before any token, so nothing
                 # reached the client yet.
                 retry = lambda: self.prepared(body)[0]  # noqa: E731
-        self.forward(raw, retry)
+        try:
+            self.forward(raw, retry)
+        finally:
+            for sent in self.sent:
+                self.proxy.conclude(sent)
 
     def prepared(self, body: dict) -> tuple[bytes, bool]:
-        """The body to forward, and whether it has a room."""
+        """The body to forward, and whether it has a room (kept, to conclude it)."""
         out = self.proxy.prepare(body, f"proxy-{secrets.token_hex(6)}")
-        return json.dumps(out).encode(), "ec_transfer_params" in out and "ec_transfer_params" not in body
+        if "ec_transfer_params" in out and "ec_transfer_params" not in body:
+            self.sent.append(out)
+            return json.dumps(out).encode(), True
+        return json.dumps(out).encode(), False
 
     def forward(self, raw: bytes | None, retry=None) -> None:
         conn = self.proxy.connection()
