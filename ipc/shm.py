@@ -304,3 +304,63 @@ def sweep(prefix: str, run_id: str | None = None, *, include_live: bool = False)
             _unlink_quiet(os.path.join(SHM_DIR, entry))
             removed.append(entry)
     return removed
+
+
+# ---------------------------------------------------------------- named by their creator
+# A segment one process makes for another to take (a client's pixels) carries its
+# creator in its name, `<prefix>.px.<pid namespace>.<pid>.<start time>.<n>`: the pid
+# alone could be reused, the start time (in clock ticks since boot, /proc/<pid>/stat)
+# with it names one process, and the namespace says whether this host's /proc can
+# answer for it at all.
+
+def _start_time(pid: int | str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat_line = f.read()
+    except OSError:
+        return None
+    # Field 22; the command name (field 2) may hold spaces and parentheses: count from its end.
+    return int(stat_line[stat_line.rindex(b")") + 2:].split()[19])
+
+
+def _pid_namespace(pid: int | str = "self") -> int:
+    return os.stat(f"/proc/{pid}/ns/pid").st_ino
+
+
+def creator_tag() -> str:
+    """`<pid namespace>.<pid>.<start time>` of this process."""
+    return f"{_pid_namespace()}.{os.getpid()}.{_start_time('self')}"
+
+
+def creator_dead(tag: str) -> bool:
+    """Whether the process a creator_tag() names has surely exited: False when it may
+    live, or when it ran in another pid namespace (this /proc cannot tell)."""
+    try:
+        ns, pid, start = (int(part) for part in tag.split("."))
+    except ValueError:
+        return False
+    if ns != _pid_namespace():
+        return False
+    return _start_time(pid) != start
+
+
+PIXEL_SEGMENT_RE = re.compile(r"^([A-Za-z0-9_]{1,32})\.px\.(\d+\.\d+\.\d+)\.\d+$")
+
+
+def pixel_segment_name(prefix: str, n: int) -> str:
+    """The /dev/shm entry of a client's n-th pixel segment for a worker of `prefix`."""
+    return f"{check_prefix(prefix)}.px.{creator_tag()}.{n}"
+
+
+def sweep_pixel_segments(prefix: str) -> list[str]:
+    """Remove the pixel segments under `prefix` whose creator has exited (no worker took
+    them, and their creator can no longer); return the entries removed. A name of the
+    older form (no creator in it) or a live creator's is left alone."""
+    check_prefix(prefix)
+    removed = []
+    for entry in os.listdir(SHM_DIR):
+        m = PIXEL_SEGMENT_RE.match(entry)
+        if m and m[1] == prefix and creator_dead(m[2]):
+            _unlink_quiet(os.path.join(SHM_DIR, entry))
+            removed.append(entry)
+    return removed

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,7 +41,8 @@ class Client:
     """Sends encode requests to one worker.
 
     Pixels travel in a POSIX shared-memory segment under the worker's prefix (the
-    worker reads it and unlinks it), or inline in the message with ``inline=True``
+    worker reads it and unlinks it; one the worker never takes, its room over, is
+    unlinked here: `conclude(room)`, a room's deadline passed, `close()`), or inline in the message with ``inline=True``
     (always, when ``shm_prefix`` is None: a worker on another host).
 
     With a worker that uses CurveZMQ: ``curve_cert``, this gateway's secret certificate
@@ -59,12 +61,18 @@ class Client:
             curve.connect_as(self.sock, *keys)
         self.sock.connect(intake)
         self._names = itertools.count()
+        # room -> (its segments, when they are given up without a conclude: its deadline),
+        # until the room concludes: a worker that dies (or never reads the encode) leaves
+        # them to this client, their creator.
+        self.segments: dict[int, tuple[list[str], float]] = {}
 
     def publish(self, pixels: np.ndarray) -> str:
         """Write pixels into a new segment named for this worker; returns its name."""
         if self.shm_prefix is None:
             raise ValueError("this client has no shm prefix (its worker is on another host): send pixels inline")
-        name = f"/{self.shm_prefix}.px.{os.getpid()}.{next(self._names)}"
+        # Named for this process, so that a worker starting later can tell the segments
+        # of a creator that died (shm.sweep_pixel_segments).
+        name = "/" + shm.pixel_segment_name(self.shm_prefix, next(self._names))
         data = np.ascontiguousarray(pixels)
         fd = os.open(os.path.join(shm.SHM_DIR, name[1:]), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -102,6 +110,11 @@ class Client:
             for name in published:
                 unlink_segment(name)
             raise
+        if published:
+            self._expire()
+            until = time.monotonic() + (deadline_ms / 1000 if deadline_ms is not None else SEGMENT_KEEP_S)
+            names, _ = self.segments.get(room, ([], 0.0))
+            self.segments[room] = (names + published, until)
         msg = {"v": wire.VERSION, "type": "encode", "request_id": request_id, "room": room,
                "items": msg_items}
         if deadline_ms is not None:
@@ -121,8 +134,32 @@ class Client:
     def send_raw(self, frame: bytes) -> None:
         self.sock.send(frame)
 
-    def close(self) -> None:
+    def conclude(self, room: int) -> None:
+        """The room is over (its receivers have their statuses, or gave it up): a segment
+        of it that the worker has not taken never will be, and is unlinked."""
+        names, _ = self.segments.pop(room, ([], 0.0))
+        for name in names:
+            unlink_segment(name)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for room in [r for r, (_, until) in self.segments.items() if until <= now]:
+            self.conclude(room)
+
+    def close(self, abandon: bool = False) -> None:
+        """Close the socket (what it still queues goes out within its linger); with
+        `abandon`, at a gateway's exit, also unlink every segment of a room not
+        concluded (an encode the worker has not read yet then fails for want of its
+        pixels)."""
+        if abandon:
+            for room in list(self.segments):
+                self.conclude(room)
         self.sock.close()
+
+
+# A room sent without a deadline gives its untaken segments up after this long (the
+# worker's own max_deadline_s, by default: no later can it still read them).
+SEGMENT_KEEP_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -192,9 +229,15 @@ class RoutedClient:
     def forget(self, room: int) -> None:
         self.rooms.pop(room, None)
 
-    def close(self) -> None:
+    def conclude(self, room: int) -> None:
+        """The room is over: its untaken segments are unlinked, and it is forgotten."""
+        bootstrap = self.rooms.pop(room, None)
+        if bootstrap in self.clients:
+            self.clients[bootstrap].conclude(room)
+
+    def close(self, abandon: bool = False) -> None:
         for c in self.clients.values():
-            c.close()
+            c.close(abandon)
         self.clients = {}
 
 

@@ -179,6 +179,9 @@ class WorkerConfig:
                                      f"{registry.MAX_TOWER_REPLICAS}; the scheduler feeds them all")
     gpus: str = setting("", "the CUDA device of each tower replica, one per replica, separated by commas "
                             "(default: gpu, gpu+1, ...)")
+    tower_threads: int = setting(0, "torch intra-op threads of each tower process; 0: one per CPU the "
+                                    "process may run on (its affinity, after any NUMA pinning), not the "
+                                    "host's count")
     log_level: str = setting("WARNING", "DEBUG, INFO, WARNING or ERROR, for the supervisor and every "
                                         "stage process")
     log_format: str = setting("text", "text (one line per event) or json (one JSON object per line: time, "
@@ -258,6 +261,8 @@ class WorkerConfig:
         for s in TOWER_SETTINGS.values():
             if s.minimum is not None and getattr(self, s.key) < s.minimum:
                 raise ConfigError(f"{s.key} must be >= {s.minimum}, got {getattr(self, s.key)}", s.key)
+        if self.tower_threads < 0:
+            raise ConfigError(f"tower_threads must be >= 0, got {self.tower_threads}", "tower_threads")
         if not 1 <= self.tower_replicas <= registry.MAX_TOWER_REPLICAS:
             raise ConfigError(f"tower_replicas must be 1 to {registry.MAX_TOWER_REPLICAS}, "
                               f"got {self.tower_replicas}", "tower_replicas")

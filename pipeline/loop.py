@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import pickle
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -68,6 +70,7 @@ class Env:
             from stages.towers import build_tower
 
             self._towers[replica] = build_tower(self.cfg.tower, **self.cfg.replica_config(replica).tower_settings())
+            set_torch_threads(self.cfg.tower_threads)
         return self._towers[replica]
 
     @property
@@ -392,3 +395,19 @@ class Loop:
         for _, sock in self.sockets:
             sock.close(linger=0)
         self.sockets = []
+
+
+def set_torch_threads(threads: int) -> int:
+    """Give torch's intra-op pool `threads`, or (0) one per CPU this process may run on;
+    the count set, 0 when torch is not loaded (a tower without torch). Torch's own default
+    is the host's cores, which oversubscribes a process pinned to fewer, or one that
+    shares its cores with an inference engine."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return 0
+    n = threads or len(os.sched_getaffinity(0))
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n

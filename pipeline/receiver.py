@@ -56,8 +56,13 @@ class Receiver:
                  status_endpoint: str | None = None, ctx: zmq.Context | None = None,
                  register_every_s: float = 60.0, query_after_s: float | None = 30.0,
                  incarnation: int | None = None, curve_cert: str | None = None,
-                 worker_cert: str | None = None):
+                 worker_cert: str | None = None, self_describing: bool = False):
         self.id = receiver_id
+        # (1.1) Each alloc carries this receiver's session and status, so a worker that
+        # restarted and lost its registrations registers it from the alloc itself instead
+        # of dropping it as "from unregistered receiver"; and a query is preceded by a
+        # register, so that a restarted worker answers it ("unknown room") at all.
+        self.self_describing = self_describing
         self.curve_keys = curve.peer_keys(curve_cert, worker_cert)
         # (protocol 1.1) This process among those that ran under this id and session: allocs
         # a predecessor sent are then never written into this one's memory.
@@ -198,9 +203,14 @@ class Receiver:
                     "dst_deepstack": self.address + shard.ds_offset if n_rows and deepstack_width else 0,
                     "row_start": row_start, "n_rows": n_rows, "span": span, "hidden": hidden,
                     "dtype": dtype, "deepstack_width": deepstack_width, "fanout": fanout,
-                    "incarnation": self.incarnation}, worker)
+                    "incarnation": self.incarnation, **self._described()}, worker)
         self.heard_at[room] = time.monotonic()
         return shard
+
+    def _described(self) -> dict:
+        if not self.self_describing:
+            return {}
+        return {"session": self.engine.session, "status": self.status_endpoint}
 
     def cancel(self, room: int) -> None:
         self._send({"type": "cancel", "room": room}, self.worker_of(room))
@@ -235,7 +245,10 @@ class Receiver:
         """(1.1) Ask the room's worker to repeat what it told this receiver of it."""
         self.heard_at[room] = time.monotonic()
         self.queries_sent += 1
-        self._send({"type": "query", "room": room}, self.worker_of(room))
+        worker = self.worker_of(room)
+        if self.self_describing:
+            self._register_with(worker)
+        self._send({"type": "query", "room": room}, worker)
     def _on_status(self, frame: bytes) -> dict | None:
         """Apply one status; None if it is not applied (counted in `dropped`). Anyone who
         reaches the status socket can send one, so nothing is taken on trust."""

@@ -104,6 +104,9 @@ class RunResources:
         self.objects = []  # closed and unlinked at close(), last made first
         raise_open_file_limit(cfg)  # before any stage process exists: they inherit it
         shm.sweep(cfg.shm_prefix)
+        # Clients' pixel segments no worker took and whose creator has exited: nobody
+        # else would ever remove them.
+        shm.sweep_pixel_segments(cfg.shm_prefix)
         shm.require_free({"pixel arena": cfg.pixel_arena_bytes, "embedding arena": cfg.embedding_arena_bytes,
                           "receiver and told tables": wiring.tables_bytes(cfg), **(needs or {})})
         self.lock = shm.RunLock(cfg.shm_prefix)

@@ -292,3 +292,26 @@ def test_a_bad_size_names_the_key_the_source_and_the_forms(tmp_path, capsys):
     assert "512MiB" in err, err
     with pytest.raises(ConfigError, match=r"ring_bytes must be >= 1, got 0 \(set by EPD_RING_BYTES\)"):
         load_config(environ={"EPD_RING_BYTES": "0MiB"})
+
+
+def test_the_tower_takes_one_torch_thread_per_cpu_it_may_run_on():
+    """tower_threads 0: as many torch threads as CPUs the tower's process may run on
+    (here pinned to one), not torch's own count; a number: that many."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, torch\n"
+            "from pipeline.config import WorkerConfig\n"
+            "from pipeline.loop import Env\n"
+            "torch.set_num_threads(4)\n"
+            "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+            "Env(WorkerConfig(tower='qwen2.5-vl', tower_config='tiny', gpus='0'), '00000000', None).tower(0)\n"
+            "print(torch.get_num_threads())\n"
+            "Env(WorkerConfig(tower='qwen2.5-vl', tower_config='tiny', gpus='0', tower_threads=3), '00000000', None).tower(0)\n"
+            "print(torch.get_num_threads())\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1", "3"]

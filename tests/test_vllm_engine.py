@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -248,6 +250,112 @@ def test_a_dead_engines_segment_is_swept_at_start(sim):
         sched.shutdown()
 
 
+def serve_sim(prefix: str, where: Path, bootstrap: str) -> subprocess.Popen:
+    """`run.py serve` (in process, the sim tower) in a session of its own, once it serves."""
+    args = dict(shm_prefix=prefix, run_dir=str(where), intake=f"ipc://{where}/intake.sock", bootstrap=bootstrap,
+                tower="sim", sim_hidden=64, sim_deepstack_width=32, pixel_arena_bytes=16 << 20,
+                embedding_arena_bytes=16 << 20, arena_cache_bytes=4 << 20, max_tombstones=1024, max_live_rooms=256)
+    cmd = [sys.executable, "run.py", "serve", "--mode", "inprocess"]
+    for key, value in args.items():
+        cmd += ["--" + key.replace("_", "-"), str(value)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    line = proc.stdout.readline()  # printed once it serves
+    if not line.startswith("serving"):
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"run.py serve did not start: {line!r}")
+    return proc
+
+
+def test_requests_right_after_a_worker_restart_succeed(tmp_path):
+    """A worker SIGKILLed with a room in flight and started again: it has no
+    registrations, yet each request sent once it serves gets its rows (the allocs
+    register the engine themselves), far within register_every_s; the room the dead
+    worker held fails soon, with the reason (a query after query_after_s), not at
+    deadline_s."""
+    prefix, conn_prefix = f"t{TOKEN}_{os.getpid()}_vrw", f"t{TOKEN}_{os.getpid()}_vrx"
+    bootstrap = f"tcp://127.0.0.1:{free_port()}"
+    proc = serve_sim(prefix, tmp_path, bootstrap)
+    sched = EPDConnector(fake_config(bootstrap, conn_prefix, query_after_s=1.0), ECConnectorRole.SCHEDULER)
+    client = Client(f"ipc://{tmp_path}/intake.sock", prefix)
+    try:
+        client.encode(21, "r21", [Item("image", *image(21))])
+        served = fake_request("a", 21, bootstrap, ["u21"])
+        wait_for(lambda: sched.ensure_cache_available(served, 0), 30, "room 21's rows")
+        sched.request_finished(served)
+        inflight = fake_request("b", 22, bootstrap, ["u22"])  # allocated; its encode never comes
+        assert not sched.ensure_cache_available(inflight, 0)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc = serve_sim(prefix, tmp_path, bootstrap)
+        for room in (23, 24, 25):
+            client.encode(room, f"r{room}", [Item("image", *image(room))])
+            req = fake_request(f"n{room}", room, bootstrap, [f"u{room}"])
+            wait_for(lambda: sched.ensure_cache_available(req, 0), 15, f"room {room}'s rows after the restart")
+            sched.request_finished(req)
+        wait_for(lambda: "b" in sched.unavailable, 30, "the dead worker's room to fail",
+                 step=lambda: sched.ensure_cache_available(inflight, 0))
+        assert "unknown room" in sched.unavailable["b"], sched.unavailable["b"]
+        sched.request_finished(inflight)
+    finally:
+        client.close()
+        sched.shutdown()
+        proc.terminate()
+        proc.wait(60)
+    assert not shm.list_objects(prefix) and not shm.list_objects(conn_prefix)
+
+
+def test_the_proxy_leaves_no_pixels_of_a_dead_worker(tmp_path):
+    """A worker SIGKILLed, the proxy's encodes go unread, and vLLM (a stand-in that
+    fails every request, as vLLM does a room whose worker is gone) answers 500: the
+    proxy tries once more in a new room, then answers the error, and neither room's
+    pixel segment is left in /dev/shm."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    prefix = f"t{TOKEN}_{os.getpid()}_vpx"
+    bootstrap = f"tcp://127.0.0.1:{free_port()}"
+    worker = serve_sim(prefix, tmp_path, bootstrap)
+    os.killpg(worker.pid, signal.SIGKILL)
+    worker.wait()
+    seen: list[dict] = []
+
+    class Failing(BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            data = b'{"error": {"message": "Internal server error", "code": 500}}'
+            self.send_response(500)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            return None
+
+    vllm = ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    threading.Thread(target=vllm.serve_forever, daemon=True).start()
+    proxy = proxy_mod.Proxy(proxy_mod.Preprocessor(build_model(str(tmp_path / "model"))),
+                            [proxy_mod.WorkerAddress(f"ipc://{tmp_path}/intake.sock", bootstrap, prefix)],
+                            f"http://127.0.0.1:{vllm.server_address[1]}")
+    front = proxy_mod.serve(proxy, "127.0.0.1", 0)
+    threading.Thread(target=front.serve_forever, daemon=True).start()
+    try:
+        status, _ = post(f"http://127.0.0.1:{front.server_address[1]}",
+                         chat("m", {"type": "image_url", "image_url": {"url": picture(9)}}))
+        assert status == 500 and len(seen) == 2
+        assert seen[0]["ec_transfer_params"]["room"] != seen[1]["ec_transfer_params"]["room"]
+        left = [n for n in os.listdir(shm.SHM_DIR) if n.startswith(prefix + ".px.")]
+        assert not left, f"pixel segments no worker will take: {left}"
+    finally:
+        front.shutdown()
+        front.server_close()
+        vllm.shutdown()
+        vllm.server_close()
+        proxy.close()
+        shm.sweep(prefix)
+    assert not shm.list_objects(prefix)
+
+
 def test_proxy_replaces_each_image_by_its_grid_and_uuid(tmp_path):
     """Identical images of a request are one item, text and other parts pass unchanged,
     and only data: URLs are taken."""
@@ -284,9 +392,10 @@ class RecordingConnector(EPDConnector):
 
 
 @contextlib.contextmanager
-def engine(kind: str, tmp: Path):
+def engine(kind: str, tmp: Path, shutdown_timeout: int = 0):
     """The tiny model of `kind`, a worker with its tower (float32 rows), and vLLM's OpenAI
-    server on the model with the (recording) connector."""
+    server on the model with the (recording) connector, stopped (SIGTERM) at the end with
+    `--shutdown-timeout` (vLLM's default, 0, unless given)."""
     model = build_model(str(tmp / "model"), kind=kind)
     prefix = f"t{TOKEN}_{os.getpid()}_{kind.replace('.', '').replace('-', '')}"
     cfg = worker_config(f"{prefix}w", tmp, tower=kind, tower_config=model, tower_dtype="float32",
@@ -300,19 +409,28 @@ def engine(kind: str, tmp: Path):
               "workers": [cfg.bootstrap], "dtype": "float32", "buffer_bytes": 32 << 20,
               "shm_prefix": f"{prefix}x", "record_dir": str(record)}}
     log = tmp / "server.log"
+    extra = ["--shutdown-timeout", str(shutdown_timeout)] if shutdown_timeout else []
     try:
-        proc, url = start_server(model, ec, str(log), pythonpath=[str(ROOT / "tests")])
+        proc, url = start_server(model, ec, str(log), pythonpath=[str(ROOT / "tests")], extra_args=extra)
         try:
             wait_ready(proc, url, str(log))
-            yield SimpleNamespace(kind=kind, model=model, worker=worker, url=url, record=record, log=log)
+            yield SimpleNamespace(kind=kind, model=model, worker=worker, url=url, record=record, log=log,
+                                  proc=proc)
         finally:
             stop(proc)
+        left = shm.list_objects(f"{prefix}x")
+        if shutdown_timeout:
+            # The engine core had time to run the connector's shutdown.
+            assert not left, f"vLLM stopped with --shutdown-timeout {shutdown_timeout} left {left}"
+        else:
+            # vLLM kills its engine core at once, before the connector's shutdown: its
+            # segment and lock are a dead run's, which the next engine's connector removes
+            # as it starts.
+            print(f"{kind}: vLLM stopped with its default --shutdown-timeout left {left}")
+            EPDConnector(fake_config(cfg.bootstrap, f"{prefix}x"), ECConnectorRole.SCHEDULER).shutdown()
+            assert not shm.list_objects(f"{prefix}x"), "the next start left a stopped engine's segment"
     finally:
         worker.close()
-    # vLLM kills its engine core at shutdown, before the connector's shutdown() can run:
-    # its segment is a dead run's, which the next engine's connector sweeps at start.
-    shm.sweep(f"{prefix}x")
-    assert not shm.list_objects(f"{prefix}x"), "the connector's receive segment is not a dead run's"
     assert not shm.list_objects(f"{prefix}w")
 
 
@@ -324,7 +442,7 @@ def qwen25(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
-    with engine("qwen3-vl", tmp_path_factory.mktemp("qwen3")) as e:
+    with engine("qwen3-vl", tmp_path_factory.mktemp("qwen3"), shutdown_timeout=10) as e:
         yield e
 
 
@@ -431,6 +549,49 @@ def test_an_aborted_request_frees_its_room(qwen25):
     with pytest.raises((TimeoutError, urllib.error.URLError, OSError)):
         post(server.url, body, timeout=2)
     wait_for(lambda: concluded(qwen_worker, "failed", "canceled"), 60, "the worker to cancel room 104")
+
+
+def test_vllm_idles_while_a_request_waits_on_its_room(qwen25):
+    """While the only request waits for its room's rows, vLLM's processes (API server,
+    engine core, model runner) together use little CPU; then its rows come and it is
+    served."""
+    import psutil
+
+    e = qwen25
+    item = proxy_mod.Preprocessor(e.model).image(picture(5))
+    uuid = f"{routing_key([item]):016x}"
+    body = chat(e.model, {"type": "image_embeds", "image_embeds": {"image_grid_thw": item.grid_thw[0]},
+                          "uuid": uuid},
+                ec_transfer_params={"room": 108, "worker": e.worker.cfg.bootstrap, "items": {uuid: 0}})
+    reply: dict = {}
+    sender = threading.Thread(target=lambda: reply.update(zip(("status", "body"), post(e.url, body))))
+    held = e.worker.stats().get("sender_held_allocs", 0)
+    sender.start()
+    wait_for(lambda: e.worker.stats().get("sender_held_allocs", 0) > held, 30, "room 108's alloc at the worker")
+    server = psutil.Process(e.proc.pid)
+    procs = [server, *server.children(recursive=True)]
+
+    def cpu() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in procs)
+
+    # vLLM's model runner busy-polls its queue for a second after each step it reads:
+    # the window starts once it has stopped (or after 5 s of it not stopping).
+    end = time.monotonic() + 5
+    while time.monotonic() < end:
+        before = cpu()
+        time.sleep(0.25)
+        if cpu() - before < 0.05:
+            break
+    before, start = cpu(), time.monotonic()
+    time.sleep(3)  # the window the CPU is measured over, the request waiting throughout
+    cores = (cpu() - before) / (time.monotonic() - start)
+    print(f"vLLM's processes while a request waits on its room: {cores:.3f} cores")
+    client = Client(e.worker.cfg.intake, e.worker.cfg.shm_prefix)
+    client.encode(108, "idle", [item])
+    client.close()
+    sender.join(60)
+    assert reply.get("status") == 200, reply
+    assert cores < 0.3, f"vLLM used {cores:.2f} cores while its only request waited on the connector"
 
 
 def test_a_hit_in_vllms_encoder_cache_cancels_the_room_at_the_worker(qwen25):

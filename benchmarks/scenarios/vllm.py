@@ -1,7 +1,8 @@
 """Scenario vllm: the same images served through vLLM with the worker as its encoder
 (EPDConnector, the proxy's preprocessing) and with vLLM's own encoder, in one run, on one
 engine (the tiny random-weight Qwen2.5-VL of pipeline/testing/vllm.py, distinct
-224 x 224 images, one request at a time, the two paths alternating).
+224 x 224 images): first one request at a time, the two paths alternating, then four
+in flight, one path after the other.
 
 vLLM runs in .venv-vllm (scripts/setup_vllm.sh): `vllm(b)` runs this module there as a
 script, which writes its figures as JSON:
@@ -9,6 +10,9 @@ script, which writes its figures as JSON:
   sent to answered; through the worker the proxy's preprocessing and the encode count)
   through the worker / through vLLM's own encoder. No target on CPU cores: the figure
   is for GPU runs.
+- vllm_epd_vs_local_encoder_images_per_s_4: images a second with four requests (one
+  image each) in flight, through the worker / through vLLM's own encoder; each path's
+  own figure is in images_per_s_4.
 - vllm_epd_logprob_max_abs_diff: the largest difference between the two paths'
   log-probabilities of the first token's five most likely tokens, over every image.
 
@@ -26,7 +30,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
-FIGURES = ("vllm_epd_vs_local_encoder_ttft_p50", "vllm_epd_logprob_max_abs_diff")
+FIGURES = ("vllm_epd_vs_local_encoder_ttft_p50", "vllm_epd_logprob_max_abs_diff",
+           "vllm_epd_vs_local_encoder_images_per_s_4")
+IN_FLIGHT = 4
 
 
 def vllm(b) -> None:
@@ -49,6 +55,9 @@ def vllm(b) -> None:
     print(f"vllm_epd_vs_local_encoder_ttft_p50 = {p50['epd'] * 1e3:.1f} ms / {p50['local'] * 1e3:.1f} ms = "
           f"{r[FIGURES[0]]:.2f}  {verdict(FIGURES[0], r[FIGURES[0]])}", flush=True)
     print(f"vllm_epd_logprob_max_abs_diff = {r[FIGURES[1]]:.3g}  {verdict(FIGURES[1], r[FIGURES[1]])}", flush=True)
+    ips = r["images_per_s_4"]
+    print(f"vllm_epd_vs_local_encoder_images_per_s_4 = {ips['epd']:.1f} / {ips['local']:.1f} = "
+          f"{r[FIGURES[2]]:.2f}  {verdict(FIGURES[2], r[FIGURES[2]])}", flush=True)
 
 
 def top_logprobs(reply: dict) -> dict[str, float]:
@@ -66,6 +75,8 @@ def post(url: str, body: dict) -> dict:
 
 
 def measure(n: int, tmp: str) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
     import numpy as np
 
     from ipc import shm
@@ -86,6 +97,7 @@ def measure(n: int, tmp: str) -> dict:
     proc, url = start_server(model, ec, log)
     proxy = Proxy(Preprocessor(model), [WorkerAddress(cfg.intake, cfg.bootstrap, cfg.shm_prefix)], url)
     ttft: dict[str, list[float]] = {"epd": [], "local": []}
+    ips: dict[str, float] = {}
     diff = 0.0
     try:
         wait_ready(proc, url, log)
@@ -94,8 +106,10 @@ def measure(n: int, tmp: str) -> dict:
             body = chat(model, {"type": "image_url", "image_url": {"url": picture(seed, (224, 224))}},
                         max_tokens=1, top_logprobs=5)
             start = time.perf_counter()
-            reply = post(url, proxy.prepare(body, f"bench-{seed}") if path == "epd" else body)
+            sent = proxy.prepare(body, f"bench-{seed}") if path == "epd" else body
+            reply = post(url, sent)
             took = time.perf_counter() - start
+            proxy.conclude(sent)
             if measured:
                 ttft[path].append(took)
             return top_logprobs(reply)
@@ -107,14 +121,20 @@ def measure(n: int, tmp: str) -> dict:
             got = {path: one(path, i) for path in order}
             common = set(got["epd"]) & set(got["local"])
             diff = max([diff] + [abs(got["epd"][t] - got["local"][t]) for t in common])
+        with ThreadPoolExecutor(IN_FLIGHT) as pool:
+            for path in ("epd", "local"):
+                seeds = range(10_000 * (1 + (path == "local")), 10_000 * (1 + (path == "local")) + 2 * n)
+                start = time.perf_counter()
+                list(pool.map(lambda seed: one(path, seed, False), seeds))
+                ips[path] = len(seeds) / (time.perf_counter() - start)
     finally:
         stop(proc)
         proxy.close()
         worker.close()
         shm.sweep("bench_vllmrx")  # vLLM kills its engine core before the connector's shutdown
     p50 = {path: float(np.median(v)) for path, v in ttft.items()}
-    return {"images": n, "ttft_s": ttft, "ttft_p50_s": p50,
-            FIGURES[0]: p50["epd"] / p50["local"], FIGURES[1]: diff}
+    return {"images": n, "ttft_s": ttft, "ttft_p50_s": p50, "images_per_s_4": ips,
+            FIGURES[0]: p50["epd"] / p50["local"], FIGURES[1]: diff, FIGURES[2]: ips["epd"] / ips["local"]}
 
 
 def main() -> int:

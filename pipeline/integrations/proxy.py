@@ -98,6 +98,7 @@ class Proxy:
         self.lock = threading.Lock()  # the client's sockets are used by one thread at a time
         self.vllm = urllib.parse.urlsplit(vllm)
         self.deadline_ms = deadline_ms
+        self.retries = 0  # requests sent again in a new room after vLLM answered an error
 
     def prepare(self, body: dict, request_id: str) -> dict:
         """The body to forward: encodes its images first (sends the room to a worker)."""
@@ -107,15 +108,22 @@ class Proxy:
         room = secrets.randbits(63) + 1
         with self.lock:
             worker = self.client.encode(room, request_id, items, deadline_ms=self.deadline_ms)
-            self.client.forget(room)
         return dict(body, ec_transfer_params={"room": room, "worker": worker, "items": index})
+
+    def conclude(self, body: dict) -> None:
+        """vLLM has answered the prepared `body`: its room is over, and a pixel segment
+        the worker never took (the worker died, or never read the encode) is unlinked."""
+        params = body.get("ec_transfer_params")
+        if isinstance(params, dict):
+            with self.lock:
+                self.client.conclude(params["room"])
 
     def connection(self) -> http.client.HTTPConnection:
         return http.client.HTTPConnection(self.vllm.hostname, self.vllm.port or 80, timeout=600)
 
     def close(self) -> None:
         with self.lock:
-            self.client.close()
+            self.client.close(abandon=True)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -128,23 +136,48 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length)
+        retry = None
+        self.sent: list[dict] = []  # the bodies with a room this request sent to vLLM
         if self.path.rstrip("/").endswith("/chat/completions"):
             try:
                 body = json.loads(raw)
-                raw = json.dumps(self.proxy.prepare(body, f"proxy-{secrets.token_hex(6)}")).encode()
+                raw, encoded = self.prepared(body)
             except ValueError as e:  # BadRequest, bad JSON, an image its processor refuses
                 return self.reply(400, {"error": {"message": str(e), "type": "BadRequestError", "code": 400}})
             except Exception as e:  # the worker unreachable, ...: this request fails, the proxy serves on
                 return self.reply(500, {"error": {"message": f"proxy: {e!r}", "type": "InternalServerError",
                                                   "code": 500}})
-        self.forward(raw)
+            if encoded:
+                # vLLM answers a room that failed (its worker restarted and lost it, a
+                # deadline passed) with a bare 500: the request is tried once more in a
+                # new room. vLLM's own errors are answered before any token, so nothing
+                # reached the client yet.
+                retry = lambda: self.prepared(body)[0]  # noqa: E731
+        try:
+            self.forward(raw, retry)
+        finally:
+            for sent in self.sent:
+                self.proxy.conclude(sent)
 
-    def forward(self, raw: bytes | None) -> None:
+    def prepared(self, body: dict) -> tuple[bytes, bool]:
+        """The body to forward, and whether it has a room (kept, to conclude it)."""
+        out = self.proxy.prepare(body, f"proxy-{secrets.token_hex(6)}")
+        if "ec_transfer_params" in out and "ec_transfer_params" not in body:
+            self.sent.append(out)
+            return json.dumps(out).encode(), True
+        return json.dumps(out).encode(), False
+
+    def forward(self, raw: bytes | None, retry=None) -> None:
         conn = self.proxy.connection()
         try:
             headers = {"Content-Type": self.headers.get("Content-Type", "application/json")}
             conn.request(self.command, self.path, body=raw, headers=headers)
             resp = conn.getresponse()
+            if resp.status >= 500 and retry is not None:
+                resp.read()
+                conn.close()
+                self.proxy.retries += 1
+                return self.forward(retry())
             self.send_response(resp.status)
             for key in ("Content-Type",):
                 if resp.getheader(key):

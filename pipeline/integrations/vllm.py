@@ -41,6 +41,9 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 log = logging.getLogger("epd.vllm")
 
 SEGMENT_PREFIX = "epdvllm"  # /dev/shm/epdvllm-<run id>-rx; a sweep at start removes dead runs'
+# An idle wait looks at vLLM's input queue this often: a request that comes meanwhile
+# waits at most this long for the engine to take it.
+IDLE_SLICE_MS = 5
 _TORCH_DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
 
 
@@ -80,6 +83,8 @@ class Settings:
     workers: tuple[str, ...]  # bootstrap endpoints a request may name
     buffer_bytes: int
     deadline_s: float
+    query_after_s: float
+    idle_wait_s: float
     hostname: str
     hidden: int
     deepstack_width: int
@@ -108,6 +113,8 @@ class Settings:
         return cls(workers=tuple(workers),
                    buffer_bytes=int(extra.get("buffer_bytes", ec.ec_buffer_size)),
                    deadline_s=float(extra.get("deadline_s", 60.0)),
+                   query_after_s=float(extra.get("query_after_s", 5.0)),
+                   idle_wait_s=float(extra.get("idle_wait_s", 30.0)),
                    hostname=str(extra.get("hostname", "127.0.0.1")),
                    hidden=int(extra.get("hidden", hidden)),
                    deepstack_width=int(extra.get("deepstack_width", layers * hidden)),
@@ -139,6 +146,18 @@ def needed(request, num_computed_tokens: int) -> list:
     return [f for f in request.mm_features if f.mm_position.offset + f.mm_position.length > num_computed_tokens]
 
 
+def building_owner(*attrs: str) -> Any:
+    """The first object up this thread's stack, not a connector, that has every one of
+    `attrs`: vLLM's scheduler, or its engine core, while they build this connector."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if owner is not None and not isinstance(owner, ECConnectorBase) and all(hasattr(owner, a) for a in attrs):
+            return owner
+        frame = frame.f_back
+    return None
+
+
 def building_scheduler() -> Any:
     """The vLLM scheduler whose constructor is building this connector, or None.
 
@@ -147,13 +166,7 @@ def building_scheduler() -> Any:
     step; so the connector reads vLLM's encoder cache manager itself, from the scheduler
     that builds it (vllm/v1/core/sched/scheduler.py:200-204, which sets `ec_connector`
     just before)."""
-    frame = inspect.currentframe()
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if owner is not None and not isinstance(owner, ECConnectorBase) and hasattr(owner, "ec_connector"):
-            return owner
-        frame = frame.f_back
-    return None
+    return building_owner("ec_connector")
 
 
 class EPDConnector(ECConnectorBase):
@@ -169,6 +182,11 @@ class EPDConnector(ECConnectorBase):
         self.receiver: Receiver | None = None
         if role == ECConnectorRole.SCHEDULER:
             self.scheduler = building_scheduler()
+            # vLLM's engine core (EngineCoreProc sets its input queue before it builds the
+            # scheduler): an idle wait ends when a request comes in.
+            self.engine_core = building_owner("input_queue")
+            parallel = getattr(vllm_config, "parallel_config", None)
+            self.data_parallel = getattr(parallel, "data_parallel_size", 1) > 1
             self._start_scheduler_side()
 
     # ------------------------------------------------------------ scheduler side
@@ -183,7 +201,13 @@ class EPDConnector(ECConnectorBase):
         buffer = np.frombuffer(self.segment.buf, dtype=np.uint8)
         self.receiver = Receiver(f"vllm-{socket.gethostname()}-{os.getpid()}-{self.lock.run_id}",
                                  list(s.workers), buffer=buffer, hostname=s.hostname,
-                                 curve_cert=s.curve_cert, worker_cert=s.worker_cert)
+                                 curve_cert=s.curve_cert, worker_cert=s.worker_cert,
+                                 # A restarted worker has no registrations: each alloc
+                                 # registers this engine itself, and a room that heard
+                                 # nothing is asked about soon (the query registers first),
+                                 # so a room the dead worker held fails at once ("unknown
+                                 # room") rather than at deadline_s.
+                                 self_describing=True, query_after_s=s.query_after_s)
         self.rooms: dict[str, Room] = {}          # request id -> its room
         # request id -> (room, worker, items) not allocated: vLLM's encoder cache holds its items
         self.deferred: dict[str, tuple[int, str, dict[str, int]]] = {}
@@ -364,6 +388,7 @@ class EPDConnector(ECConnectorBase):
                                sh.hidden, sh.deepstack_width, sh.dtype))
 
     def build_connector_meta(self, scheduler_output) -> EPDConnectorMetadata:
+        self._idle_wait(scheduler_output)
         meta = EPDConnectorMetadata(self.loads)
         self.loads = []
         self.builds += 1
@@ -372,6 +397,38 @@ class EPDConnector(ECConnectorBase):
                 self._forget(room)
                 del self.releasing[room]
         return meta
+
+    def _idle_wait(self, scheduler_output) -> None:
+        """Wait here while vLLM has nothing to run but requests waiting on their rooms:
+        until a status comes, a room's deadline passes, or a request (or any call) comes
+        to the engine; at most idle_wait_s.
+
+        vLLM's engine core steps as long as its scheduler has requests
+        (`vllm/v1/engine/core.py` has_work, :1534-1539), and a step that schedules nothing
+        still goes through `execute_model` to the model runner, then sleeps only 1 ms
+        (`_process_engine_step`, :1616-1617); the model runner busy-polls its
+        shared-memory queue for a second after each step it reads
+        (`distributed/device_communicators/shm_broadcast.py` wait, :207-208). A request
+        held in WAITING_FOR_REMOTE_KVS, as KV connectors hold theirs, keeps `has_requests`
+        true (`v1/core/sched/scheduler.py` :2823) and steps the same way. So the connector
+        waits in the one scheduler call every step makes, only when it alone holds vLLM
+        back (nothing scheduled, nothing finished to report, no request failed here), and
+        only where it can see the engine's input queue (vLLM's engine core process) and
+        no other engine steps in lockstep with this one (data parallel)."""
+        inputs = getattr(self.engine_core, "input_queue", None)
+        if (self.settings.idle_wait_s <= 0 or inputs is None or scheduler_output is None
+                or getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+                or getattr(scheduler_output, "finished_req_ids", None) or self.unavailable
+                or self.data_parallel):
+            return
+        waiting = [r for r in self.rooms.values() if not r.ready and not r.failed]
+        if not waiting:
+            return
+        end = min([time.monotonic() + self.settings.idle_wait_s] + [r.deadline for r in waiting])
+        # receiver.poll applies what comes and sends the queries due (query_after_s).
+        while inputs.empty() and time.monotonic() < end:
+            if self.receiver.poll(IDLE_SLICE_MS / 1000):
+                return
 
     def request_finished(self, request) -> tuple[bool, dict[str, Any] | None]:
         self.unavailable.pop(request.request_id, None)

@@ -118,7 +118,8 @@ def _tokenizer():
 
 
 def start_server(model_dir: str, ec_transfer_config: dict, log_path: str, *, python: str | None = None,
-                 port: int | None = None, pythonpath: list[str] = ()) -> tuple[subprocess.Popen, str]:
+                 port: int | None = None, pythonpath: list[str] = (),
+                 extra_args: list[str] = ()) -> tuple[subprocess.Popen, str]:
     """vLLM's OpenAI server on the tiny model, with this EC transfer configuration, its
     output in `log_path`: (process, URL). Wait for it with `wait_ready`."""
     port = port or free_port()
@@ -130,7 +131,7 @@ def start_server(model_dir: str, ec_transfer_config: dict, log_path: str, *, pyt
              "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "2048",
              "--enforce-eager", "--max-num-seqs", "4", "--seed", "0",
              "--limit-mm-per-prompt", json.dumps({"image": 2, "video": 1}),
-             "--ec-transfer-config", json.dumps(ec_transfer_config)],
+             "--ec-transfer-config", json.dumps(ec_transfer_config), *extra_args],
             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     return proc, f"http://127.0.0.1:{port}"
 
