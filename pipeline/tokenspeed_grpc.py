@@ -5,15 +5,19 @@ One Encode carries one item and one room. It becomes the native `encode` it mean
 goes to the worker's own intake socket, which checks it again and owns the room from
 there: the front only reads what it must to translate (and refuses up front what the
 native rules refuse, so the gateway hears why). Pixels inline go inline; pixels in a
-gateway's shared-memory segment (tokenspeed names them `psm_...`, outside our prefix)
-are taken into a segment under the worker's prefix (renamed when the segment is exactly
-the tensor, copied otherwise), and the gateway's name is unlinked on every path, as
-tokenspeed's own encode side does.
+gateway's shared-memory segment are taken only under the names tokenspeed's gateways
+make (`psm_` and 8 hex digits, `smg-mm-...`, `smg-tokenspeed-...`), only from a regular
+file of the worker's user of the size the call says: hard-linked (exactly the tensor)
+or copied into a segment under the worker's prefix. The gateway's name is unlinked only
+once the call is accepted, as tokenspeed's own encode side does after its read; a
+refused call leaves every file as it found it, so a name in a call can never make the
+worker delete or move a file it was not handed.
 """
 from __future__ import annotations
 
 import logging
 import os
+import re
 import stat
 import threading
 import time
@@ -50,32 +54,49 @@ class Refused(Exception):
         self.code = code
 
 
+# What tokenspeed's gateways name their segments: Python's SharedMemory(create=True)
+# ("psm_" and 4 random bytes in hex) and smg's gateway ("smg-mm-...", and the older
+# "smg-tokenspeed-..." its servicer still accepts). Nothing else in /dev/shm is a
+# gateway's, so nothing else is opened, linked or unlinked on a call's word.
+GATEWAY_NAME = re.compile(r"psm_[0-9a-f]{8}|smg-(?:mm|tokenspeed)-[A-Za-z0-9._-]{1,200}")
+
+
 def foreign_segment(name: str, prefix: str) -> str:
-    """The /dev/shm path of a gateway's segment, or Refused: never one of ours, never
-    outside /dev/shm."""
-    if not name or len(name) > 255 or "/" in name or "\0" in name or name in (".", "..") \
-            or name.startswith(("sem.", prefix)):
-        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"shm name {name[:80]!r} is not a gateway's segment name")
-    return os.path.join(shm.SHM_DIR, name)
+    """The /dev/shm path of a gateway's segment, or Refused: only under tokenspeed's own
+    names (a leading '/' allowed, as smg's servicer allows it), never one of ours."""
+    bare = name[1:] if name.startswith("/") else name
+    if not GATEWAY_NAME.fullmatch(bare) or bare.startswith(prefix) or bare in (".", ".."):
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"shm name {name[:80]!r} is not a tokenspeed gateway's segment name "
+                      "(psm_<8 hex>, smg-mm-..., smg-tokenspeed-...)")
+    return os.path.join(shm.SHM_DIR, bare)
 
 
-def take_segment(path: str, offset: int, nbytes: int, dest_name: str) -> bool:
-    """`nbytes` at `offset` of the segment at `path` into a new segment `dest_name`: never
-    through a link, a regular file, large enough. One that is exactly the tensor and of
-    the worker's user is renamed, not copied: the gateway's name is gone as if unlinked,
-    and intake checks what it finds under ours again (as it checks any client's). Whether
-    it was renamed."""
+def take_segment(path: str, offset: int, nbytes: int, dest_name: str) -> os.stat_result:
+    """`nbytes` at `offset` of the segment at `path` into a new segment `dest_name`: only a
+    regular file (never through a link) of the worker's user, large enough. One that is
+    exactly the tensor is hard-linked, not copied; the gateway's name is left in place
+    (the caller unlinks it once the call is accepted), and intake checks what it finds
+    under ours again, as it checks any client's. What the gateway's name was found to be."""
+    dest = os.path.join(shm.SHM_DIR, dest_name[1:])
     st = _regular(os.lstat, path, offset, nbytes)
-    if offset == 0 and st.st_size == nbytes and st.st_uid == os.geteuid():
-        os.rename(path, os.path.join(shm.SHM_DIR, dest_name[1:]))
-        return True
+    if offset == 0 and st.st_size == nbytes:
+        try:
+            os.link(path, dest, follow_symlinks=False)
+        except OSError as e:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"shm segment cannot be taken: {e.strerror}") from None
+        if _same(os.lstat(dest), st):
+            return st
+        unlink_segment(dest_name)  # swapped under us between the two looks: not what we checked
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "shm segment changed while it was taken")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"shm segment cannot be opened: {e.strerror}") from None
     try:
-        _regular(os.fstat, fd, offset, nbytes)
-        out = os.open(os.path.join(shm.SHM_DIR, dest_name[1:]), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        if not _same(_regular(os.fstat, fd, offset, nbytes), st):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "shm segment changed while it was taken")
+        out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             done = 0
             while done < nbytes:
@@ -88,9 +109,13 @@ def take_segment(path: str, offset: int, nbytes: int, dest_name: str) -> bool:
             raise
         finally:
             os.close(out)
-        return False
+        return st
     finally:
         os.close(fd)
+
+
+def _same(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _regular(stat_of, what, offset: int, nbytes: int) -> os.stat_result:
@@ -100,10 +125,22 @@ def _regular(stat_of, what, offset: int, nbytes: int) -> os.stat_result:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"shm segment cannot be opened: {e.strerror}") from None
     if not stat.S_ISREG(st.st_mode):
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "shm segment is not a regular file")
+    if st.st_uid != os.geteuid():
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "shm segment is not the worker's user's")
     if offset + nbytes > st.st_size:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                       f"shm segment holds {st.st_size} bytes; offset {offset} + nbytes {nbytes} runs past it")
     return st
+
+
+def unlink_taken(path: str, st: os.stat_result) -> None:
+    """The gateway's name, once its call is accepted: only if it still names the file
+    that was taken."""
+    try:
+        if _same(os.lstat(path), st):
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def shm_namespace_id() -> str:
@@ -229,9 +266,8 @@ class GrpcFront:
 
     # ------------------------------------------------------------ Encode
     def encode(self, request) -> None:
-        renamed = False
         try:
-            renamed = self._encode(request)
+            self._encode(request)
             self.accepted += 1
         except Refused as e:
             self.refused += 1
@@ -240,16 +276,9 @@ class GrpcFront:
                     if 0 <= a.bootstrap_room <= ROOM_MAX:
                         self._fail_room(a.bootstrap_room, request.request_id, str(e))
             raise
-        finally:
-            for it in request.mm_inputs.items:  # every gateway segment, on every path
-                if it.encoder_input.WhichOneof("payload") == "shm" and not renamed:
-                    try:
-                        os.unlink(foreign_segment(it.encoder_input.shm.name, self.prefix))
-                    except (Refused, OSError):
-                        pass
 
-    def _encode(self, request) -> bool:
-        """Sends the native encode; whether the gateway's segment was renamed (taken)."""
+    def _encode(self, request) -> None:
+        """Sends the native encode; then, and only then, the gateway's segment name goes."""
         if self.draining():
             raise Refused(grpc.StatusCode.UNAVAILABLE, "worker shutting down")
         if len(request.items) != 1 or len(request.mm_inputs.items) != 1:
@@ -287,10 +316,13 @@ class GrpcFront:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                               f"shm nbytes is {px.shm.nbytes}; shape and dtype need {parsed.pixels.nbytes}")
             name = f"/{self.prefix}.ts.{os.getpid()}.{next(self._names)}"
-            renamed = take_segment(foreign_segment(px.shm.name, self.prefix), px.shm.offset, px.shm.nbytes, name)
+            theirs = foreign_segment(px.shm.name, self.prefix)
+            taken = take_segment(theirs, px.shm.offset, px.shm.nbytes, name)
             pixels["shm"] = name
-        self._send(msg, pixels.get("shm"))
-        return kind == "shm" and renamed
+            self._send(msg, name)
+            unlink_taken(theirs, taken)
+        else:
+            self._send(msg, None)
 
     def _send(self, msg: dict, our_segment: str | None) -> None:
         try:

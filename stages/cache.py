@@ -306,7 +306,7 @@ def build(env, name, emit, custody) -> CacheStage:
         settings = StoreSettings(cfg.store_master, cfg.store_metadata, cfg.store_segment_bytes,
                                  cfg.store_buffer_bytes, cfg.protocol, cfg.device, cfg.hostname,
                                  cfg.store_get_timeout_s)
-        store = StoreTier(settings, tower_identity(cfg.tower, spec, cfg.tower_config), content_key)
+        store = StoreTier(settings, tower_identity(cfg.tower, spec, cfg.tower_config, cfg.run_dir), content_key)
     return CacheStage(emit, pixel_arena=sh.pixel_arena, cache=cache, hidden=spec.hidden, dtype=spec.dtype,
                       trust_client_hash=cfg.trust_client_hash, custody=custody, content_key=content_key,
                       row_bytes=spec.row_bytes, store=store)

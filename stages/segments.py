@@ -54,7 +54,11 @@ def take(prefix: str, names) -> dict[str, int | str]:
             taken[name] = f"segment {name!r} does not exist"
             continue
         except OSError as e:
+            # handed over all the same (the room fails with this reason): a segment left
+            # because its open failed (out of descriptors, say) would stay in /dev/shm
+            # for good, so it goes by name, by the rules a dead intake's leftovers go by
             taken[name] = f"segment {name!r} cannot be opened: {e.strerror}"
+            unlink_left(prefix, name)
             continue
         try:
             st = os.fstat(fd)

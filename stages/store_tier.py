@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass
 
 import blake3
 import numpy as np
+import xxhash
 
 from ipc import mooncake_log
 from ipc.stats import Histogram
@@ -62,7 +63,8 @@ MAX_PUTS = 32  # puts queued at most (each holds its rows in the arena); more ar
 # holds no room, and on a busy host a healthy one can outlast a deadline made for rooms.
 PUT_STUCK_S = 1.0
 RETRY_S = 1.0  # between attempts to reach the master
-SAMPLES, SAMPLE_BYTES = 16, 64 << 10  # of each weight file, for a checkpoint's digest
+READ_BYTES = 8 << 20  # of a weight file at a time, as its digest is made
+DIGESTS_FILE = "checkpoint-digests.json"  # in the run directory: weight files' digests, kept
 CLOSE_S = 1.0  # what a close waits for the threads and the master's answer, at most
 PROBE_NAME = "epd/close-probe"  # what close asks the master about (a lookup, no entry)
 # Clients whose master did not answer at close (see Closing above).
@@ -93,35 +95,83 @@ class StoreSettings:
     get_timeout_s: float
 
 
-def tower_identity(tower: str, spec, tower_config: str) -> bytes:
+def tower_identity(tower: str, spec, tower_config: str, run_dir: str = "") -> bytes:
     """What makes two towers' rows differ: the tower, its spec (hidden, deepstack width,
     dtype, merge, patch) and its weights: a checkpoint directory's digest
     (``checkpoint_digest``), or the configuration the weights were seeded from."""
     weights = tower_config if tower != "sim" else ""
     if weights and os.path.isdir(weights):
-        weights = "checkpoint:" + checkpoint_digest(weights)
+        weights = "checkpoint:" + checkpoint_digest(weights, os.path.join(run_dir, DIGESTS_FILE) if run_dir else "")
     return json.dumps({"tower": tower, "spec": asdict(spec), "weights": weights}, sort_keys=True).encode()
 
 
-def checkpoint_digest(path: str) -> str:
+def checkpoint_digest(path: str, digests_file: str = "") -> str:
     """SHA-256 of a checkpoint's config.json and, of each weight file, its name, its size
-    and SAMPLES blocks spread over it (the first holds a safetensors header): a fine-tune
-    of the same shapes differs in every block, and reading whole files (gigabytes) at
-    every start is not needed for that. Identical checkpoints on two hosts agree."""
+    and the XXH3-128 of every byte of it: two checkpoints that differ anywhere (a
+    fine-tuned projector, a few tensors) have two identities, so never share store
+    entries. Identical checkpoints on two hosts agree. Reading gigabytes at every start
+    is avoided by `digests_file`, where each file's digest is kept under what changes
+    when the file does (its real path, size, mtime, ctime and inode)."""
+    kept = _read_digests(digests_file)
+    found = {}
     h = hashlib.sha256()
     for name in sorted(os.listdir(path)):
         full = os.path.join(path, name)
         if name == "config.json":
             with open(full, "rb") as f:
                 h.update(f.read())
-        elif name.endswith((".safetensors", ".bin", ".pt")):
-            size = os.path.getsize(full)
-            h.update(f"{name}:{size}".encode())
-            with open(full, "rb") as f:
-                for k in range(SAMPLES):
-                    f.seek(max(0, size - SAMPLE_BYTES) * k // (SAMPLES - 1))
-                    h.update(f.read(SAMPLE_BYTES))
+        elif name.endswith((".safetensors", ".bin", ".pt", ".pth")):
+            real = os.path.realpath(full)
+            st = os.stat(real)
+            stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+            entry = kept.get(real)
+            if not (isinstance(entry, dict) and entry.get("stamp") == stamp and isinstance(entry.get("xxh3_128"), str)):
+                entry = {"stamp": stamp, "xxh3_128": _file_digest(real)}
+            found[real] = entry
+            h.update(f"{name}:{st.st_size}:{entry['xxh3_128']}".encode())
+    if digests_file and found and any(kept.get(k) != v for k, v in found.items()):
+        _write_digests(digests_file, {**kept, **found})
     return h.hexdigest()
+
+
+def _file_digest(path: str) -> str:
+    d = xxhash.xxh3_128()
+    buf = bytearray(READ_BYTES)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            d.update(view[:n])
+    return d.hexdigest()
+
+
+def _read_digests(digests_file: str) -> dict:
+    """What an earlier start kept; nothing if there is none or it cannot be read (then
+    every file is read again, which costs time, never a wrong identity)."""
+    if not digests_file:
+        return {}
+    try:
+        with open(digests_file, encoding="utf-8") as f:
+            kept = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return kept if isinstance(kept, dict) else {}
+
+
+def _write_digests(digests_file: str, digests: dict) -> None:
+    """Written whole and moved into place (in the worker's own run directory): a reader
+    sees the old file or the new one."""
+    tmp = f"{digests_file}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(digests, f, sort_keys=True)
+        os.replace(tmp, digests_file)
+    except OSError as e:
+        log.warning("checkpoint digests not kept in %s (%s): the next start reads the weights again",
+                    digests_file, e)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
 
 class StoreTier:

@@ -431,6 +431,47 @@ def test_intake_corpus(rig, tmp_path):
                 os.unlink(path)
 
 
+def _lowest_free_fd(pid: int) -> int:
+    fds = {int(n) for n in os.listdir(f"/proc/{pid}/fd")}
+    return next(n for n in itertools.count() if n not in fds)
+
+
+def test_a_segment_whose_open_failed_is_unlinked(rig):
+    """Intake out of descriptors: the segment it could not open is still handed over,
+    unlinked by name (old code left it in /dev/shm for good), and its room fails with
+    the reason; once descriptors are back the worker serves as before."""
+    import resource
+
+    r = rig()
+    warm = r.send_healthy(0)  # every socket the failure path needs exists before the limit drops
+    assert r.rx.wait({warm: 1}, 60)
+    pid = r.w.runtime.procs["intake"].pid if rig.mode == "pipeline" else os.getpid()
+    room = next(_rooms)
+    name = r.client.publish(Item("image", *image(3)).pixels)
+    path = shm.SHM_DIR + name
+    msg = {"v": 1, "type": "encode", "request_id": f"nofd-{room}", "room": room,
+           "items": [{"modality": "image", "grid_thw": [[1, 4, 4]],
+                      "pixels": {"shm": name, "shape": [16, PATCH_DIM], "dtype": "float32"}}]}
+    limit = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (_lowest_free_fd(pid), limit[1]))
+    try:
+        r.client.send_raw(pack(msg))
+        deadline = time.monotonic() + 30
+        while os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = os.path.exists(path)
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, limit)
+        if os.path.exists(path):
+            os.unlink(path)
+    assert not left, f"{name} stayed in /dev/shm after its open failed"
+    r.rx.alloc(room, 0, **SPAN4)
+    assert r.rx.wait({room: 1}, 60) and "Too many open files" in r.rx.failed.get(room, ""), r.rx.failed.get(room)
+    r.send_healthy(1)
+    r.check_healthy()
+    r.assert_alive()
+
+
 # ================================================================ bootstrap corpus
 
 class BootCtx:

@@ -509,3 +509,44 @@ def test_checkpoints_of_the_same_shapes_and_other_weights_have_other_identities(
     assert ids[0] != ids[2], "a fine-tune of the same shapes"
     assert tower_identity("qwen2.5-vl", spec, "tiny") != ids[0]
     assert tower_identity("qwen3-vl", spec, "tiny") != tower_identity("qwen2.5-vl", spec, "tiny")
+
+
+def test_checkpoints_that_differ_between_any_old_samples_have_other_identities(tmp_path):
+    """Old code read 16 blocks of 64 KiB of each weight file: two checkpoints that differ
+    only between them (a fine-tuned projector) had one identity and shared entries."""
+    from stages.towers.base import TowerSpec
+
+    spec = TowerSpec("qwen2.5-vl", 3584, 0, "bfloat16", 2, 1176, 2, 14)
+    size = 16 << 20
+    ids = []
+    for k in range(2):
+        d = tmp_path / f"ckpt{k}"
+        d.mkdir()
+        (d / "config.json").write_text('{"vision_config": {}}')
+        weights = bytearray(size)
+        weights[size // 2 + 100_000] = k  # between the old samples at size/2 and the next one
+        (d / "model.safetensors").write_bytes(bytes(weights))
+        ids.append(tower_identity("qwen2.5-vl", spec, str(d)))
+    assert ids[0] != ids[1], "two checkpoints that differ in one byte share an identity"
+
+
+def test_a_restart_finds_the_weight_files_digests_kept_and_a_changed_file_is_read_again(tmp_path, monkeypatch):
+    from stages import store_tier
+    from stages.towers.base import TowerSpec
+
+    spec = TowerSpec("qwen2.5-vl", 3584, 0, "bfloat16", 2, 1176, 2, 14)
+    ckpt, run_dir = tmp_path / "ckpt", tmp_path / "run"
+    ckpt.mkdir()
+    run_dir.mkdir()
+    (ckpt / "config.json").write_text('{"vision_config": {}}')
+    (ckpt / "model.safetensors").write_bytes(b"\x01" * 4096)
+    read = []
+    real = store_tier._file_digest
+    monkeypatch.setattr(store_tier, "_file_digest", lambda p: (read.append(p), real(p))[1])
+    first = tower_identity("qwen2.5-vl", spec, str(ckpt), str(run_dir))
+    assert (run_dir / store_tier.DIGESTS_FILE).exists() and len(read) == 1
+    assert tower_identity("qwen2.5-vl", spec, str(ckpt), str(run_dir)) == first and len(read) == 1
+    (ckpt / "model.safetensors").write_bytes(b"\x02" * 4096)  # same size, new bytes
+    assert tower_identity("qwen2.5-vl", spec, str(ckpt), str(run_dir)) != first and len(read) == 2
+    assert tower_identity("qwen2.5-vl", spec, str(ckpt)) == tower_identity("qwen2.5-vl", spec, str(ckpt),
+                                                                            str(run_dir))

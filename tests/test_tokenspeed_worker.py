@@ -185,38 +185,115 @@ def test_a_grpc_flood_is_turned_away_or_waits_and_every_call_ends(stalled_intake
     assert codes.count(grpc.StatusCode.OK) <= 8, codes  # what the sockets' queues hold
 
 
-@pytest.mark.parametrize("what", ["a wrong span", "a link"])
-def test_a_refused_call_unlinks_the_gateway_segment(stalled_intake, monkeypatch, tmp_path, what):
-    """Whatever becomes of a call, the gateway's name is gone (tokenspeed's encode side
-    unlinks it on every path); a link is never followed, its target left alone."""
+PLANTED = ["a wrong span", "a link", "another worker's run lock", "another file", "a wrong owner",
+           "a wrong size", "our own prefix"]
+
+
+def _plant(what: str, pixels, tmp_path) -> tuple[str, str | None]:
+    """A file in /dev/shm a call names, and the file a link in it points to."""
+    import secrets
+
+    from tests.test_tokenspeed_prefill import gateway_segment
+
+    if what == "a wrong span":
+        return gateway_segment(pixels), None
+    if what == "another worker's run lock":
+        name = f"epdother-{secrets.token_hex(4)}-lock"  # what ipc.shm.RunLock names a run's lock
+    elif what == "another file":
+        name = f"notagateway{os.getpid()}"
+    elif what == "our own prefix":
+        name = f"tsbound.px.{os.getpid()}.0"
+    else:
+        name = f"psm_{secrets.token_hex(4)}"
+    path = f"/dev/shm/{name}"
+    if what == "a link":
+        target = tmp_path / "target"
+        target.write_bytes(pixels.tobytes())
+        os.symlink(target, path)
+        return name, str(target)
+    with open(path, "wb") as f:
+        f.write(pixels.tobytes()[:-4 if what == "a wrong size" else None])
+    if what == "a wrong owner":
+        if os.geteuid() != 0:
+            os.unlink(path)
+            pytest.skip("only root can give a file to another user")
+        os.chown(path, 65534, 65534)
+    return name, None
+
+
+@pytest.mark.parametrize("what", PLANTED)
+def test_a_refused_call_leaves_every_file_where_it_was(stalled_intake, monkeypatch, tmp_path, what):
+    """A call names a file in /dev/shm: refused, whatever it names stays, never unlinked,
+    renamed or followed (the worker takes only tokenspeed's names, regular files of its
+    own user of the size the call says). Old code unlinked every one of these."""
     import grpc
     import numpy as np
     from smg_grpc_proto.generated import tokenspeed_encoder_pb2_grpc
 
-    from tests.test_tokenspeed_prefill import encode_request, gateway_segment
+    from tests.test_tokenspeed_prefill import encode_request
 
     ctx, intake = stalled_intake
     front = _grpc_front(ctx, intake, monkeypatch)
     channel = grpc.insecure_channel(front.cfg.tokenspeed_grpc)
     pixels = np.ones((16, 1176), dtype=np.float32)
-    target = tmp_path / "target"
-    target.write_bytes(pixels.tobytes())
-    if what == "a link":
-        name = f"psm_link{os.getpid()}"
-        os.symlink(target, f"/dev/shm/{name}")
-    else:
-        name = gateway_segment(pixels)
+    name, target = _plant(what, pixels, tmp_path)
+    before = os.lstat(f"/dev/shm/{name}")
     try:
         stub = tokenspeed_encoder_pb2_grpc.TokenSpeedEncoderStub(channel)
         with pytest.raises(grpc.RpcError) as e:
-            stub.Encode(encode_request(7, [[1, 4, 4]], pixels, span=None if "link" in what else 5, shm_name=name),
-                        timeout=10)
+            stub.Encode(encode_request(7, [[1, 4, 4]], pixels, span=5 if what == "a wrong span" else None,
+                                       shm_name=name), timeout=10)
+        after = os.lstat(f"/dev/shm/{name}")
+        ours = [n for n in os.listdir("/dev/shm") if n.startswith("tsbound.ts")]
     finally:
         channel.close()
         front.close()
+        os.unlink(f"/dev/shm/{name}")
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert ("not a regular file" if "link" in what else "span") in e.value.details()
-    assert not os.path.lexists(f"/dev/shm/{name}") and target.exists()
+    why = {"a wrong span": "span", "a link": "not a regular file", "a wrong owner": "worker's user",
+           "a wrong size": "runs past it"}.get(what, "not a tokenspeed gateway's segment name")
+    assert why in e.value.details()
+    assert (after.st_ino, after.st_nlink, after.st_size) == (before.st_ino, before.st_nlink, before.st_size)
+    assert not ours, ours
+    assert target is None or os.path.exists(target)
+
+
+def test_an_accepted_call_takes_the_segment_and_only_then_unlinks_its_name(monkeypatch):
+    """A call the worker accepts: the gateway's name is gone (tokenspeed's encode side
+    unlinks after its read) and its bytes are under the worker's prefix, for intake."""
+    import grpc
+    import numpy as np
+    import zmq
+    from smg_grpc_proto.generated import tokenspeed_encoder_pb2_grpc
+
+    from tests.test_tokenspeed_prefill import encode_request, gateway_segment
+
+    ctx = zmq.Context()
+    sink = ctx.socket(zmq.PULL)
+    intake = f"ipc:///tmp/tsintake-{os.getpid()}.sock"
+    sink.bind(intake)
+    front = _grpc_front(ctx, intake, monkeypatch)
+    channel = grpc.insecure_channel(front.cfg.tokenspeed_grpc)
+    pixels = np.arange(16 * 1176, dtype=np.float32).reshape(16, 1176)
+    names = [gateway_segment(pixels), gateway_segment(pixels, offset=64, slack=8)]
+    ours = []
+    try:
+        stub = tokenspeed_encoder_pb2_grpc.TokenSpeedEncoderStub(channel)
+        for room, name in enumerate(names):
+            stub.Encode(encode_request(room, [[1, 4, 4]], pixels, shm_name=name, offset=64 * room), timeout=10)
+            ours.append(wire.decode(sink.recv())["items"][0]["pixels"]["shm"])
+        gone = [not os.path.lexists(f"/dev/shm/{n}") for n in names]
+        held = [np.fromfile(f"/dev/shm/{o[1:]}", dtype=np.float32) for o in ours]
+    finally:
+        channel.close()
+        front.close()
+        for n in [f"/{n}" for n in names] + ours:
+            if os.path.lexists(f"/dev/shm/{n[1:]}"):
+                os.unlink(f"/dev/shm/{n[1:]}")
+        sink.close(0)
+        ctx.term()
+    assert gone == [True, True]
+    assert all(np.array_equal(h, pixels.ravel()) for h in held)
 
 
 def test_a_frame_flood_pushes_back_on_the_prefill(stalled_intake):
@@ -250,7 +327,7 @@ def test_a_frame_flood_pushes_back_on_the_prefill(stalled_intake):
     print(f"\nframe flood: {sent} frames taken before the prefill's send blocked")
 
 
-def test_a_draining_worker_answers_unavailable_and_unlinks_the_segment(stalled_intake, monkeypatch):
+def test_a_draining_worker_answers_unavailable_and_leaves_the_segment(stalled_intake, monkeypatch):
     import grpc
     import numpy as np
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -273,7 +350,8 @@ def test_a_draining_worker_answers_unavailable_and_unlinks_the_segment(stalled_i
         front.close()
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.value.details()
     assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
-    assert not os.path.exists(f"/dev/shm/{name}")
+    assert os.path.exists(f"/dev/shm/{name}")  # the gateway's, to send elsewhere or unlink
+    os.unlink(f"/dev/shm/{name}")
 
 
 def test_refused_pre_allocs_naming_many_endpoints_open_a_bounded_number_of_sockets(stalled_intake):
