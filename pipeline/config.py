@@ -94,9 +94,10 @@ class WorkerConfig:
                                   "intake, bootstrap and status sockets then use CURVE ('' for none)")
     curve_clients: str = setting("", "a directory of the public certificates (zmq.auth .key files) of the "
                                      "gateways and receivers allowed, with curve_cert")
-    allow_insecure_network: bool = setting(False, "bind intake and bootstrap to an address other than "
-                                                  "loopback or ipc:// without CurveZMQ (anyone who reaches "
-                                                  "them may send encodes, register and cancel)")
+    allow_insecure_network: bool = setting(False, "bind a listener (intake, bootstrap, the tokenspeed fronts, "
+                                                  "metrics) to an address other than loopback or ipc:// "
+                                                  "without CurveZMQ (anyone who reaches intake or bootstrap "
+                                                  "may send encodes, register and cancel)")
     hostname: str = setting("127.0.0.1", "the Mooncake engine's local address")
     protocol: str = setting("tcp", "Mooncake protocol: tcp, or rdma when configured")
     device: str = setting("", "RDMA device names, when protocol is rdma")
@@ -242,6 +243,13 @@ class WorkerConfig:
                                                  allow_insecure=self.allow_insecure_network)
             if problem:
                 raise ConfigError(problem, name)
+        # No key guards the endpoint, CurveZMQ or not.
+        problem = self.metrics_endpoint and exposure_problem(
+            self.metrics_endpoint, "metrics_endpoint", authenticated=False,
+            allow_insecure=self.allow_insecure_network, remedy="",
+            risk="read every counter and hold the endpoint's connections")
+        if problem:
+            raise ConfigError(problem, "metrics_endpoint")
 
     def validate(self) -> "WorkerConfig":
         try:
@@ -306,12 +314,12 @@ class WorkerConfig:
             raise ConfigError(f"intake must be an ipc:// or tcp:// endpoint, got {self.intake!r}", "intake")
         if not self.bootstrap.startswith("tcp://"):
             raise ConfigError(f"bootstrap must be a tcp:// endpoint, got {self.bootstrap!r}", "bootstrap")
-        self._check_exposure()
         if self.metrics_endpoint:
             host, _, port = self.metrics_endpoint.rpartition(":")
             if not host or not port.isdigit() or int(port) > 65535:
                 raise ConfigError(f"metrics_endpoint must be '' or host:port (a port 0-65535), "
                                   f"got {self.metrics_endpoint!r}", "metrics_endpoint")
+        self._check_exposure()
         parse_numa(self.numa, self.tower_replicas)
         self._validate_shared_cache()
         return self
