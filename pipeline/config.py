@@ -158,6 +158,9 @@ class WorkerConfig:
                                              "(a prefill host's ranks, and room to register again): past it a new "
                                              "one takes the place of that key's own least recently heard from "
                                              "that owns no room, never another key's")
+    status_ipc_dirs: str = setting("", "directories, separated by commas, that receivers' ipc:// status "
+                                       "endpoints may be in (none: a register naming an ipc:// status is "
+                                       "refused); a directory every user may write is refused")
     max_deadline_s: float = setting(3600.0, "a request's deadline_ms is capped at this many seconds after it "
                                             "arrives (the room fails then, saying so)")
     ring_bytes: int = size_setting(8 << 20, "pipeline: size of each ring between two stages")
@@ -198,6 +201,24 @@ class WorkerConfig:
         if not c.gpus and 1 <= c.tower_replicas <= registry.MAX_TOWER_REPLICAS:
             c.gpus = ",".join(str(c.gpu + k) for k in range(c.tower_replicas))
         return c
+
+    def own_endpoints(self) -> list[str]:
+        """Every listener of this worker (resolved): a status endpoint may name none of them."""
+        out = [self.intake, self.bootstrap, self.tokenspeed_grpc, self.metrics_endpoint]
+        if self.tokenspeed_bootstrap:
+            host, _, port = self.tokenspeed_bootstrap.rpartition(":")
+            out += [self.tokenspeed_bootstrap, f"{host}:{int(port) + 1}"]  # its frame socket
+        return [e for e in out if e]
+
+    def _check_status_ipc_dirs(self) -> None:
+        for d in filter(None, self.status_ipc_dirs.split(",")):
+            if not os.path.isabs(d) or not os.path.isdir(d):
+                raise ConfigError(f"status_ipc_dirs: {d!r} is not an absolute path of a directory",
+                                  "status_ipc_dirs")
+            if os.stat(d).st_mode & 0o002:
+                # Anyone could put a link there to one of the worker's own sockets.
+                raise ConfigError(f"status_ipc_dirs: every user may write {d!r}; name a directory only "
+                                  f"the receivers' user may write", "status_ipc_dirs")
 
     def gpu_list(self) -> list[int]:
         return [int(g) for g in self.gpus.split(",")]
@@ -321,6 +342,7 @@ class WorkerConfig:
                                   f"got {self.metrics_endpoint!r}", "metrics_endpoint")
         self._check_exposure()
         parse_numa(self.numa, self.tower_replicas)
+        self._check_status_ipc_dirs()
         self._validate_shared_cache()
         return self
 
