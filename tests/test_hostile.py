@@ -767,6 +767,48 @@ def test_status_rule_names_own_sockets_and_ipc_dirs(tmp_path):
     assert e.value.key == "status_ipc_dirs"
 
 
+# ================================================================ tombstones
+
+def test_unknown_room_queries_never_evict_a_real_rooms_tombstone(rig):
+    """60 queries for rooms nobody sent, under max_tombstones 50: each hears "unknown room",
+    and the finished room is still remembered: its late alloc hears that it concluded, and
+    its id sent again is a duplicate. Old code spent the one budget on the unknown rooms and
+    evicted the real room's tombstone: its late alloc heard "unknown room" (and the id ran
+    again)."""
+    r = rig(max_tombstones=50, tombstone_ttl_s=3600.0, bootstrap_timeout_s=3.0)
+    done = r.send_healthy(0)
+    r.check_healthy()
+    mem = Receiver("mem", r.w.cfg.bootstrap, buffer_bytes=1 << 20)
+    r.made.append(mem)
+    asker = RawPeer("asker", r.w.cfg.bootstrap, mem)
+    r.made.append(asker)
+    unknown = [next(_rooms) for _ in range(61)]
+    for room in unknown[:60]:
+        asker.send({"v": 1, "type": "query", "receiver": "asker", "room": room})
+    assert asker.wait(unknown[:60], 60), sorted(set(unknown[:60]) - set(asker.statuses))
+    assert all(asker.reason(room) == "unknown room" for room in unknown[:60])
+    # One more, answered in a later round: the reaper has expired what it would after the 60.
+    asker.send({"v": 1, "type": "query", "receiver": "asker", "room": unknown[60]})
+    assert asker.wait(unknown[60:], 30)
+    asker.send(asker.alloc(done))
+    assert asker.wait([done], 30)
+    assert asker.reason(done) == "room already concluded", asker.reason(done)
+    assert r.outcome(done) == ("SUCCESS", "")
+    r.client.encode(done, "again", [Item("image", *image(5))], inline=True)
+    end = time.monotonic() + 30
+    while counted(r.w.stats()["intake_dropped"], "duplicate room") < 1 and time.monotonic() < end:
+        time.sleep(0.05)
+    assert counted(r.w.stats()["intake_dropped"], "duplicate room") == 1, "a finished room's id ran again"
+    def remembered():
+        stats = r.w.stats()
+        return stats.get("tombstones"), stats.get("unknown_rooms_remembered")
+
+    while remembered() != (1, 50) and time.monotonic() < end:  # stages publish their stats now and then
+        time.sleep(0.05)
+    assert remembered() == (1, 50)
+    r.assert_alive()
+
+
 # ================================================================ status corpus (the receiver library)
 
 def _status(room, item=None, state="failed", reason="forged", **over):
