@@ -85,6 +85,7 @@ class ReaperStage(Stage):
         # Rooms this worker never had that a receiver was told "unknown room" of: a budget of
         # their own (any peer can name any room id), which never evicts a real room's tombstone.
         self.unknown: OrderedDict[int, float] = OrderedDict()  # room -> when told
+        self.digests: dict[int, dict[tuple[str, int], bytes]] = {}  # room -> (told, item) -> digest
         self.registrations: dict = {}
         self.sender_died_at = float("-inf")
         self.outcomes = Counter()
@@ -285,6 +286,8 @@ class ReaperStage(Stage):
     def _registered(self, reg: Register) -> None:
         self.registrations[reg.receiver] = reg
         self.pusher.register(reg.receiver, reg.status, reg.key)
+        if reg.hello:
+            self.pusher.send(reg.receiver, wire.hello_message())
         if len(self.registrations) > self.receivers.capacity:
             # The sender frees registrations (expired, or given way) without a record:
             # the shared table says which are left.
@@ -305,22 +308,28 @@ class ReaperStage(Stage):
         if self.told.told_failed(room, who) or self.told.told_success(room, item, who):
             return
         self._recorded(self.told.record_success(room, item, who, time.monotonic()))
+        if digest is not None:  # kept while the room is remembered: a repeat carries it too
+            self.digests.setdefault(room, {})[(who, item)] = digest
         self.pusher.send(receiver, wire.status_message(room, item, True, digest=digest))
 
     def _on_query(self, room: int, receiver: str, pending: bool) -> None:
         """Repeat what `receiver` was told of `room` (a status lost with a killed reaper or in
         a socket's queue); if nothing, answer as a late alloc would, unless its status is
-        still to come. A repeated success carries no digest: the told table keeps none."""
+        still to come. A repeated success carries its digest while this reaper remembers it
+        (a successor does not: the told table keeps none)."""
         if receiver not in self.registrations:
             return
-        failed, items = self.told.told_to(room, self._incarnation(receiver))
+        who = self._incarnation(receiver)
+        failed, items = self.told.told_to(room, who)
         if failed:
             entry = self._entry(room)
             reason = (entry.reason if entry is not None and entry.state == RoomState.FAILED
                       else self.untabled.get(room, "room failed"))
             self.pusher.send(receiver, wire.status_message(room, None, False, reason, repeat=True))
+        digests = self.digests.get(room, {})
         for item in [] if failed else sorted(items):
-            self.pusher.send(receiver, wire.status_message(room, item, True, repeat=True))
+            self.pusher.send(receiver, wire.status_message(room, item, True, repeat=True,
+                                                           digest=digests.get((who, item))))
         if failed or items:
             self.query_answers["repeat"] += 1
         elif pending or room in self.reasons or room in self.draining:
@@ -468,6 +477,7 @@ class ReaperStage(Stage):
 
     def _forget(self, room: int) -> None:
         self.told.forget(room)
+        self.digests.pop(room, None)
         self.allocated.pop(room, None)
         self.untabled.pop(room, None)
 

@@ -817,7 +817,8 @@ def _status(room, item=None, state="failed", reason="forged", **over):
 
 
 # (name, expected count key in Receiver.dropped, build(ctx) -> frame); ctx has ok_room (its
-# item 0 succeeded), failed_room (failed), live (allocated, not yet concluded)
+# item 0 succeeded), failed_room (failed), live (allocated, not yet concluded), target
+# (allocated, never sent: the forgery it hears is all it hears)
 STATUS_CASES = [
     ("not msgpack", "unparseable", lambda c: b"\xc1 garbage"),
     ("empty", "unparseable", lambda c: b""),
@@ -851,6 +852,9 @@ STATUS_CASES = [
     ("failed after failed, item set", "second failed", lambda c: _status(c.failed_room, 0, "failed", "x")),
     ("failed for a room never allocated", "never allocated", lambda c: _status(c.never)),
     ("failed for another room never allocated", "never allocated", lambda c: _status(2**64 - 1)),
+    # The worker said hello (it speaks 1.1): a success without a digest fails its room, where
+    # old code concluded it with rows nobody wrote.
+    ("success without a digest", "no digest", lambda c: _status(c.target, 0, "success", "")),
 ]
 
 
@@ -875,6 +879,8 @@ def test_status_corpus(rig):
     first_reason = rx.failed[c.failed_room]
     assert "span" in first_reason
     c.live = r.send_healthy(3)  # the forgeries that name it must not conclude it
+    c.target = next(_rooms)
+    rx.alloc(c.target, 0, **SPAN4)
     forger = zmq.Context.instance().socket(zmq.PUSH)
     forger.setsockopt(zmq.LINGER, 1000)
     forger.connect(rx.status_endpoint)
@@ -894,6 +900,7 @@ def test_status_corpus(rig):
         # nothing forged was applied
         assert rx.failed[c.failed_room] == first_reason
         assert c.never not in rx.failed and 2**64 - 1 not in rx.failed
+        assert "without a digest" in rx.failed[c.target] and (c.target, 0) not in rx.success
         assert not [key for key in rx.success if key[0] in (c.never, c.failed_room) or key[1] != 0]
         breaches = sum(n for kind, n in expected.items() if kind != "never allocated")
         assert len(rx.violations) == breaches
@@ -910,6 +917,52 @@ def test_status_corpus(rig):
         assert rx.dropped == expected
     finally:
         forger.close()
+
+
+def test_a_forged_success_without_a_digest_fails_the_room(rig):
+    """Anyone who reaches a receiver's status socket pushes `success` without a digest for
+    a room it allocated, before the worker wrote a row. The worker said hello at register
+    (it speaks 1.1), so the receiver requires digests: the room fails, with the reason, and
+    nothing the worker sends of it later changes that; real successes (digests all) and a
+    receiver that opts out go on as before. Old code concluded the room with zero rows."""
+    r = rig()
+    rx = r.rx
+    r.send_healthy(0)
+    r.check_healthy()  # its hello came first, on the same socket
+    forger = zmq.Context.instance().socket(zmq.PUSH)
+    forger.setsockopt(zmq.LINGER, 1000)
+    forger.connect(rx.status_endpoint)
+    r.made.append(forger)
+    room = next(_rooms)
+    rx.alloc(room, 0, **SPAN4)
+    forger.send(_status(room, 0, "success", ""))
+    end = time.monotonic() + 30
+    while room not in rx.failed and (room, 0) not in rx.success and time.monotonic() < end:
+        rx.poll(0.05)
+    assert (room, 0) not in rx.success, "a forged success concluded the room with rows nobody wrote"
+    assert rx.failed[room].startswith("success without a digest"), rx.failed[room]
+    assert rx.digest_required and rx.worker_speaks == "1.1"
+    assert rx.digests_missing == 1 and rx.dropped["no digest"] == 1
+    # The worker's own status for it (the room sent now) is dropped: the room failed here.
+    r.client.encode(room, "after", [Item("image", *image(4))], inline=True)
+    end = time.monotonic() + 30
+    while not rx.dropped["after digest mismatch"] and time.monotonic() < end:
+        rx.poll(0.05)
+    assert rx.dropped["after digest mismatch"] == 1 and rx.failed[room].startswith("success without")
+    r.send_healthy(1)
+    r.check_healthy()
+    # Opted out (workers of 1.0 share it): a success without a digest is taken as before.
+    lax = Receiver("lax", r.w.cfg.bootstrap, buffer_bytes=1 << 20, require_digest=False)
+    r.made.append(lax)
+    other = next(_rooms)
+    lax.alloc(other, 0, **SPAN4)
+    loose = zmq.Context.instance().socket(zmq.PUSH)
+    loose.setsockopt(zmq.LINGER, 1000)
+    loose.connect(lax.status_endpoint)
+    r.made.append(loose)
+    loose.send(_status(other, 0, "success", ""))
+    assert lax.wait({other: 1}, 30) and (other, 0) in lax.success and not lax.digest_required
+    r.assert_alive()
 
 
 # ================================================================ Hypothesis: one field corrupted
