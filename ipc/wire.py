@@ -234,6 +234,9 @@ class Register:
     # Not on the wire: the CurveZMQ public key the register came under ('' without CURVE),
     # set by the worker; the id is the key's while the registration lives.
     key: str = ""
+    # (1.1) The receiver asks the worker to say, on its status socket, that it speaks 1.1:
+    # its successes then carry digests, and the receiver may require them.
+    hello: bool = False
 
     @functools.cached_property
     def session_hash(self) -> int:
@@ -324,7 +327,10 @@ def parse_bootstrap(msg: dict) -> Register | Alloc | Cancel | Query:
     kind = msg.get("type")
     if kind == "register":
         status = _status_endpoint(msg)
-        return Register(_short_str(msg, "receiver"), _session(msg), status, _incarnation(msg))
+        hello = msg.get("hello", False)
+        if type(hello) is not bool:
+            raise ProtocolError("hello must be true or false")
+        return Register(_short_str(msg, "receiver"), _session(msg), status, _incarnation(msg), hello=hello)
     if kind in ("cancel", "query"):
         room = room_of(msg)
         if room is None:
@@ -365,6 +371,13 @@ def status_message(room: int, item: int | None, ok: bool, reason: str = "", *,
 
 
 DIGEST_BYTES = 16
+SPEAKS = "1.1"
+
+
+def hello_message() -> bytes:
+    """(1.1) The answer to a register that asks (`hello`): this worker speaks 1.1, and every
+    `success` it sends carries the digest of the rows it wrote."""
+    return encode({"v": VERSION, "type": "hello", "speaks": SPEAKS})
 
 
 def rows_digest(parts) -> bytes:

@@ -94,9 +94,10 @@ class WorkerConfig:
                                   "intake, bootstrap and status sockets then use CURVE ('' for none)")
     curve_clients: str = setting("", "a directory of the public certificates (zmq.auth .key files) of the "
                                      "gateways and receivers allowed, with curve_cert")
-    allow_insecure_network: bool = setting(False, "bind intake and bootstrap to an address other than "
-                                                  "loopback or ipc:// without CurveZMQ (anyone who reaches "
-                                                  "them may send encodes, register and cancel)")
+    allow_insecure_network: bool = setting(False, "bind a listener (intake, bootstrap, the tokenspeed fronts, "
+                                                  "metrics) to an address other than loopback or ipc:// "
+                                                  "without CurveZMQ (anyone who reaches intake or bootstrap "
+                                                  "may send encodes, register and cancel)")
     hostname: str = setting("127.0.0.1", "the Mooncake engine's local address")
     protocol: str = setting("tcp", "Mooncake protocol: tcp, or rdma when configured")
     device: str = setting("", "RDMA device names, when protocol is rdma")
@@ -157,6 +158,9 @@ class WorkerConfig:
                                              "(a prefill host's ranks, and room to register again): past it a new "
                                              "one takes the place of that key's own least recently heard from "
                                              "that owns no room, never another key's")
+    status_ipc_dirs: str = setting("", "directories, separated by commas, that receivers' ipc:// status "
+                                       "endpoints may be in (none: a register naming an ipc:// status is "
+                                       "refused); a directory every user may write is refused")
     max_deadline_s: float = setting(3600.0, "a request's deadline_ms is capped at this many seconds after it "
                                             "arrives (the room fails then, saying so)")
     ring_bytes: int = size_setting(8 << 20, "pipeline: size of each ring between two stages")
@@ -197,6 +201,24 @@ class WorkerConfig:
         if not c.gpus and 1 <= c.tower_replicas <= registry.MAX_TOWER_REPLICAS:
             c.gpus = ",".join(str(c.gpu + k) for k in range(c.tower_replicas))
         return c
+
+    def own_endpoints(self) -> list[str]:
+        """Every listener of this worker (resolved): a status endpoint may name none of them."""
+        out = [self.intake, self.bootstrap, self.tokenspeed_grpc, self.metrics_endpoint]
+        if self.tokenspeed_bootstrap:
+            host, _, port = self.tokenspeed_bootstrap.rpartition(":")
+            out += [self.tokenspeed_bootstrap, f"{host}:{int(port) + 1}"]  # its frame socket
+        return [e for e in out if e]
+
+    def _check_status_ipc_dirs(self) -> None:
+        for d in filter(None, self.status_ipc_dirs.split(",")):
+            if not os.path.isabs(d) or not os.path.isdir(d):
+                raise ConfigError(f"status_ipc_dirs: {d!r} is not an absolute path of a directory",
+                                  "status_ipc_dirs")
+            if os.stat(d).st_mode & 0o002:
+                # Anyone could put a link there to one of the worker's own sockets.
+                raise ConfigError(f"status_ipc_dirs: every user may write {d!r}; name a directory only "
+                                  f"the receivers' user may write", "status_ipc_dirs")
 
     def gpu_list(self) -> list[int]:
         return [int(g) for g in self.gpus.split(",")]
@@ -242,6 +264,13 @@ class WorkerConfig:
                                                  allow_insecure=self.allow_insecure_network)
             if problem:
                 raise ConfigError(problem, name)
+        # No key guards the endpoint, CurveZMQ or not.
+        problem = self.metrics_endpoint and exposure_problem(
+            self.metrics_endpoint, "metrics_endpoint", authenticated=False,
+            allow_insecure=self.allow_insecure_network, remedy="",
+            risk="read every counter and hold the endpoint's connections")
+        if problem:
+            raise ConfigError(problem, "metrics_endpoint")
 
     def validate(self) -> "WorkerConfig":
         try:
@@ -306,13 +335,14 @@ class WorkerConfig:
             raise ConfigError(f"intake must be an ipc:// or tcp:// endpoint, got {self.intake!r}", "intake")
         if not self.bootstrap.startswith("tcp://"):
             raise ConfigError(f"bootstrap must be a tcp:// endpoint, got {self.bootstrap!r}", "bootstrap")
-        self._check_exposure()
         if self.metrics_endpoint:
             host, _, port = self.metrics_endpoint.rpartition(":")
             if not host or not port.isdigit() or int(port) > 65535:
                 raise ConfigError(f"metrics_endpoint must be '' or host:port (a port 0-65535), "
                                   f"got {self.metrics_endpoint!r}", "metrics_endpoint")
+        self._check_exposure()
         parse_numa(self.numa, self.tower_replicas)
+        self._check_status_ipc_dirs()
         self._validate_shared_cache()
         return self
 

@@ -25,6 +25,7 @@ from typing import Callable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from ipc.stats import SECONDS_BUCKETS
+from pipeline.exposure import HTTP_IDLE_TIMEOUT_S, BoundedHTTP
 from stages.registry import CACHE
 
 log = logging.getLogger("epd.metrics")
@@ -348,8 +349,9 @@ def probe(path: str, health: Callable[[], dict]) -> tuple[int, dict]:
     return (503 if failing else 200), {**conditions, "ready": not failing, "failing": failing}
 
 
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
+class _Server(BoundedHTTP, ThreadingMixIn, WSGIServer):
+    """Bounded as every HTTP listener is (pipeline/exposure.py): a few hundred idle
+    connections would otherwise hold as many descriptors and threads, for good."""
 
     def __init__(self, address, handler, family):
         self.address_family = family  # IPv6 as well: the base class binds AF_INET
@@ -357,6 +359,8 @@ class _Server(ThreadingMixIn, WSGIServer):
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = HTTP_IDLE_TIMEOUT_S
+
     def log_message(self, format, *args):
         """A probe every few seconds must not write a line to stderr each time."""
 

@@ -48,7 +48,14 @@ class Receiver:
     With workers that use CurveZMQ: `curve_cert`, this receiver's secret certificate
     (its public half in the workers' curve_clients), and `worker_cert`, the workers'
     public certificate. The receiver registers under its key, and its status socket is
-    then a CURVE server with the same key that admits the worker's key alone."""
+    then a CURVE server with the same key that admits the worker's key alone.
+
+    `require_digest`: a `success` without a digest that matches the rows here fails its
+    room ("success without a digest"), for anyone who reaches the status socket could
+    send one, and a forged success would conclude a room with rows nobody wrote. None
+    (the default): required once a worker has said, in answer to the register, that it
+    speaks 1.1 (its successes all carry digests). Pass False for workers that speak 1.0
+    alongside those that speak 1.1."""
 
     def __init__(self, receiver_id: str, bootstrap: str | list[str], *, buffer_bytes: int = 256 << 20,
                  buffer: np.ndarray | None = None,
@@ -56,8 +63,12 @@ class Receiver:
                  status_endpoint: str | None = None, ctx: zmq.Context | None = None,
                  register_every_s: float = 60.0, query_after_s: float | None = 30.0,
                  incarnation: int | None = None, curve_cert: str | None = None,
-                 worker_cert: str | None = None, self_describing: bool = False):
+                 worker_cert: str | None = None, self_describing: bool = False,
+                 require_digest: bool | None = None):
         self.id = receiver_id
+        self.require_digest = require_digest
+        self.worker_speaks: str | None = None  # what a worker said in its hello (1.1)
+        self.digests_missing = 0
         # (1.1) Each alloc carries this receiver's session and status, so a worker that
         # restarted and lost its registrations registers it from the alloc itself instead
         # of dropping it as "from unregistered receiver"; and a query is preceded by a
@@ -148,7 +159,7 @@ class Receiver:
 
     def _register_msg(self) -> dict:
         return {"type": "register", "session": self.engine.session, "status": self.status_endpoint,
-                "incarnation": self.incarnation}
+                "incarnation": self.incarnation, "hello": True}
 
     def register(self) -> None:
         """(Re-)register with every worker."""
@@ -256,6 +267,10 @@ class Receiver:
             st = wire.decode(frame)
         except wire.ProtocolError as e:
             return self._reject("unparseable", f"unparseable status: {e}")
+        if st.get("type") == "hello":  # (1.1) only ever makes the checks stricter
+            if st.get("speaks") == wire.SPEAKS:
+                self.worker_speaks = wire.SPEAKS
+            return None
         room, item, state, reason = st.get("room"), st.get("item"), st.get("state"), st.get("reason")
         digest, repeat = st.get("digest"), st.get("repeat", False)
         if (st.get("type") != "status" or not wire.is_u64(room) or state not in ("success", "failed")
@@ -286,6 +301,12 @@ class Receiver:
                 return self._reject("after failed", f"success for room {room} item {item} after failed")
             if (room, item) in self.success:
                 return self._reject("second success", f"second success for room {room} item {item}")
+            if digest is None and self.digest_required:
+                self._reject("no digest", f"success for room {room} item {item} without a digest")
+                self.digests_missing += 1
+                self.mismatched.add(room)
+                self.failed[room] = "success without a digest (require_digest): its rows are not known to be written"
+                return {**st, "state": "failed", "reason": self.failed[room]}
             if digest is not None and not self.digest_agrees(room, item, digest):
                 # Rows that are not what the worker wrote (bytes of another room landed
                 # over them, or the memory was reused too early): never used.
@@ -307,6 +328,10 @@ class Receiver:
                 return None
             self.failed[room] = reason
         return st
+
+    @property
+    def digest_required(self) -> bool:
+        return self.require_digest if self.require_digest is not None else self.worker_speaks == wire.SPEAKS
 
     def digest_agrees(self, room: int, item: int, digest: bytes) -> bool:
         """Do this receiver's rows of (room, item) hash to `digest` (a success's, protocol 1.1)?"""

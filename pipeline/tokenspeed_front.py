@@ -28,12 +28,11 @@ import zmq
 
 from ipc import wire
 from pipeline import wiring
+from pipeline.exposure import HTTP_IDLE_TIMEOUT_S, BoundedHTTP
 
 log = logging.getLogger("epd.tokenspeed")
 
 MAX_FRAME_BYTES = 4096  # a pre-alloc is some 150 bytes: a peer sending more is cut off
-MAX_HTTP_CLIENTS = 16   # /route requests served at once; more are turned away
-HTTP_TIMEOUT_S = 5.0    # a client that sends nothing for this long is dropped
 MAX_STATUS_SOCKETS = 16  # ranks' status endpoints the frame front answers refusals on, the latest
 STATUS_LINGER_S = 1.0    # a refusal still leaving when its socket is closed; no socket closes sooner after use
 DTYPES = {f"torch.{name}": name for name in wire.DTYPES}
@@ -141,6 +140,7 @@ class FrameFront:
         self.pull.setsockopt(zmq.RCVHWM, wiring.SOCKET_QUEUE_FRAMES)
         self.pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self.pull.setsockopt(zmq.LINGER, 0)
+        wiring.bound_listener(self.pull)
         try:
             self.pull.bind(f"tcp://{_bracket(host)}:{port}")
         except zmq.ZMQError:
@@ -225,7 +225,7 @@ class FrameFront:
 class _Handler(BaseHTTPRequestHandler):
     """tokenspeed's bootstrap API (pd/base/bootstrap.py) for one encode rank."""
 
-    timeout = HTTP_TIMEOUT_S
+    timeout = HTTP_IDLE_TIMEOUT_S
     server: "BootstrapServer"
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
@@ -262,27 +262,13 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("bootstrap http: " + format, *args)
 
 
-class BootstrapServer(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False
+class BootstrapServer(BoundedHTTP, ThreadingHTTPServer):
+    """/route requests: bounded as every HTTP listener is (pipeline/exposure.py)."""
 
     def __init__(self, host: str, port: int, rank_ip: str, frame_port: int):
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.rank_ip, self.frame_port = rank_ip, frame_port
-        self.clients = threading.BoundedSemaphore(MAX_HTTP_CLIENTS)
         super().__init__((host, port), _Handler)
-
-    def process_request(self, request, client_address) -> None:
-        if not self.clients.acquire(blocking=False):  # a flood is turned away, not queued
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request, client_address) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.clients.release()
 
 
 def _bracket(host: str) -> str:

@@ -87,6 +87,22 @@ class Shared:
 # own queue fills, until its send blocks (or says EAGAIN). A few frames keep a stage
 # that reads promptly fed.
 SOCKET_QUEUE_FRAMES = 4
+# A ZeroMQ listener's idle bounds: a connection that has not finished its handshake
+# (ZMTP, and CURVE's with certificates) this long after it opened is dropped, so raw
+# TCP connections that say nothing cannot pile up; a peer that answers no heartbeat
+# for HEARTBEAT_TIMEOUT_S (gone without a FIN) is dropped too.
+HANDSHAKE_S = 10.0
+HEARTBEAT_S = 10.0
+HEARTBEAT_TIMEOUT_S = 30.0
+
+
+def bound_listener(sock) -> None:
+    """The idle bounds above, on a ZeroMQ socket that binds a listener."""
+    import zmq
+
+    sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT_S * 1000))
 
 
 def bind_pull(ctx, endpoint: str, max_frame: int, curve_keys=None):
@@ -103,6 +119,7 @@ def bind_pull(ctx, endpoint: str, max_frame: int, curve_keys=None):
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, SOCKET_QUEUE_FRAMES)
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
+    bound_listener(sock)
     if curve_keys is not None:
         from pipeline import curve
 

@@ -164,6 +164,12 @@ class IntakeStage(Stage):
             segments.close(segments.take(self.prefix, wire.shm_names(msg)))
             self._drop("room cannot be read")
             return None
+        if msg.get("type") not in ("encode", wire.REFUSED):
+            # Not a request: whoever sent it (a status pushed here, say) may not fail the
+            # room it names, which a gateway may still send.
+            segments.close(segments.take(self.prefix, wire.shm_names(msg)))
+            self._drop(f"intake takes 'encode' messages only: not {str(msg.get('type'))[:40]!r}")
+            return None
         rid = msg.get("request_id") if isinstance(msg.get("request_id"), str) else ""
         rid = rid[: wire.MAX_REQUEST_ID]
         refused = wire.refusal_reason(self.content_key, msg) if msg.get("type") == wire.REFUSED else None

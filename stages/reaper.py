@@ -82,6 +82,10 @@ class ReaperStage(Stage):
         self.deadlines: list[tuple[float, int, int]] = []  # a heap of (deadline, slot, room)
         self._prune_at = 64
         self.tombstones: OrderedDict[int, tuple[float, int]] = OrderedDict()  # room -> (concluded, slot)
+        # Rooms this worker never had that a receiver was told "unknown room" of: a budget of
+        # their own (any peer can name any room id), which never evicts a real room's tombstone.
+        self.unknown: OrderedDict[int, float] = OrderedDict()  # room -> when told
+        self.digests: dict[int, dict[tuple[str, int], bytes]] = {}  # room -> (told, item) -> digest
         self.registrations: dict = {}
         self.sender_died_at = float("-inf")
         self.outcomes = Counter()
@@ -112,9 +116,9 @@ class ReaperStage(Stage):
                     heapq.heappush(self.deadlines, (self.deadline_of(e.deadline, e.created), e.slot, e.room))
             else:
                 self.tombstones[e.room] = (e.concluded, e.slot)
-        for room, told_at in self.told.rooms().items():
+        for room, told_at in sorted(self.told.rooms().items(), key=lambda kv: kv[1]):
             if room not in in_table:
-                self.tombstones[room] = (told_at, None)
+                self.unknown[room] = told_at
         self.tombstones = OrderedDict(sorted(self.tombstones.items(), key=lambda kv: kv[1][0]))
         registered = self._reload_registrations()
         if registered or in_table:
@@ -206,7 +210,8 @@ class ReaperStage(Stage):
     def stats(self) -> dict:
         return {"rooms": dict(self.outcomes), **self.pusher.stats(),
                 "status_unrecorded": self.unrecorded, "deadline_heap": len(self.deadlines),
-                "query_answers": dict(self.query_answers), "late_bytes_waits": self.late_bytes_waits,
+                "query_answers": dict(self.query_answers), "tombstones": len(self.tombstones),
+                "unknown_rooms_remembered": len(self.unknown), "late_bytes_waits": self.late_bytes_waits,
                 "rooms_concluded": dict(self.concluded_by_reason), "room_latency_seconds": self.latency.snapshot()}
 
     def close(self) -> None:
@@ -216,7 +221,7 @@ class ReaperStage(Stage):
     def _on_opened(self, o: RoomOpened) -> None:
         # What was told is kept, not reset: a receiver told "unknown room" must not hear
         # about the room again.
-        self.tombstones.pop(o.room, None)  # only an unknown room's can be there
+        self.unknown.pop(o.room, None)
         if o.deadline:
             entry = self.rooms.get(o.slot)
             created = entry.created if entry is not None and entry.room == o.room else time.monotonic()
@@ -281,6 +286,8 @@ class ReaperStage(Stage):
     def _registered(self, reg: Register) -> None:
         self.registrations[reg.receiver] = reg
         self.pusher.register(reg.receiver, reg.status, reg.key)
+        if reg.hello:
+            self.pusher.send(reg.receiver, wire.hello_message())
         if len(self.registrations) > self.receivers.capacity:
             # The sender frees registrations (expired, or given way) without a record:
             # the shared table says which are left.
@@ -301,22 +308,28 @@ class ReaperStage(Stage):
         if self.told.told_failed(room, who) or self.told.told_success(room, item, who):
             return
         self._recorded(self.told.record_success(room, item, who, time.monotonic()))
+        if digest is not None:  # kept while the room is remembered: a repeat carries it too
+            self.digests.setdefault(room, {})[(who, item)] = digest
         self.pusher.send(receiver, wire.status_message(room, item, True, digest=digest))
 
     def _on_query(self, room: int, receiver: str, pending: bool) -> None:
         """Repeat what `receiver` was told of `room` (a status lost with a killed reaper or in
         a socket's queue); if nothing, answer as a late alloc would, unless its status is
-        still to come. A repeated success carries no digest: the told table keeps none."""
+        still to come. A repeated success carries its digest while this reaper remembers it
+        (a successor does not: the told table keeps none)."""
         if receiver not in self.registrations:
             return
-        failed, items = self.told.told_to(room, self._incarnation(receiver))
+        who = self._incarnation(receiver)
+        failed, items = self.told.told_to(room, who)
         if failed:
             entry = self._entry(room)
             reason = (entry.reason if entry is not None and entry.state == RoomState.FAILED
                       else self.untabled.get(room, "room failed"))
             self.pusher.send(receiver, wire.status_message(room, None, False, reason, repeat=True))
+        digests = self.digests.get(room, {})
         for item in [] if failed else sorted(items):
-            self.pusher.send(receiver, wire.status_message(room, item, True, repeat=True))
+            self.pusher.send(receiver, wire.status_message(room, item, True, repeat=True,
+                                                           digest=digests.get((who, item))))
         if failed or items:
             self.query_answers["repeat"] += 1
         elif pending or room in self.reasons or room in self.draining:
@@ -372,10 +385,13 @@ class ReaperStage(Stage):
         entry = self._entry(room)
         if entry is None:
             reason = self.untabled.get(room, unknown_reason)
-            if room not in self.tombstones:
+            if room not in self.tombstones and room not in self.unknown:
                 # Whom we told about a room we never had is remembered as long as a
-                # tombstone, and as boundedly: hostile allocs must not grow `told`.
-                self.tombstones[room] = (time.monotonic(), None)
+                # tombstone, and as boundedly: hostile allocs and queries must not grow
+                # `told`, nor push out what real rooms' late allocs must hear.
+                self.unknown[room] = time.monotonic()
+                if len(self.unknown) > self.max_tombstones:
+                    self._forget(self.unknown.popitem(last=False)[0])
         elif room in self.draining:  # a dead sender's bytes may still land: told once they did
             self.draining[room][1].add(receiver)
             return
@@ -416,10 +432,12 @@ class ReaperStage(Stage):
             except TableFull:
                 log.error("room failed but the room table is full: room=%d reason=%s", f.room, f.reason)
                 self.emit(registry.SENDER, Fence(f.room))
+                self.unknown.pop(f.room, None)  # a real room now
                 if f.room not in self.tombstones:
                     self.tombstones[f.room] = (time.monotonic(), None)
                     self.untabled[f.room] = f.reason
                 return
+        self.unknown.pop(f.room, None)  # in the table now: its tombstone will be a real room's
         entry = self.rooms.get(slot)
         if (entry is None or entry.room != f.room or entry.state >= RoomState.SUCCESS
                 or f.room in self.reasons):
@@ -449,9 +467,19 @@ class ReaperStage(Stage):
                 self.rooms.free(slot, room)
             # After the table's entry: a reaper killed between the two leaves entries a
             # successor keeps as an unknown room's tombstone, already expired.
-            self.told.forget(room)
-            self.allocated.pop(room, None)
-            self.untabled.pop(room, None)
+            self._forget(room)
+        while self.unknown:
+            room, t = next(iter(self.unknown.items()))
+            if t > now - self.tombstone_ttl_s and len(self.unknown) <= self.max_tombstones:
+                break
+            self.unknown.popitem(last=False)
+            self._forget(room)
+
+    def _forget(self, room: int) -> None:
+        self.told.forget(room)
+        self.digests.pop(room, None)
+        self.allocated.pop(room, None)
+        self.untabled.pop(room, None)
 
     def bound_of(self, entry) -> float:
         """When a room must have concluded, whatever died: its deadline or the bootstrap
@@ -513,7 +541,8 @@ class ReaperStage(Stage):
         entry = self.rooms.get(slot)
         if entry is not None and entry.room == room and entry.concluded:
             self.latency.observe(max(0.0, entry.concluded - entry.created))
-        self.tombstones.pop(room, None)  # an unknown room's, if any: this one is newer
+        self.unknown.pop(room, None)
+        self.tombstones.pop(room, None)
         self.tombstones[room] = (time.monotonic(), slot)
         if outcome == "failed":
             entry = self.rooms.get(slot)

@@ -11,13 +11,72 @@ the one key '', which the per-key bound does not concern.
 
 Every change is written to the shared table (ipc/receivers.py) before anyone hears of
 it, so a successor starts from the same registrations.
+
+A status endpoint is where the reaper PUSHes statuses, so it may not be one of the
+worker's own sockets (`StatusRule`): a peer that registered `status=<the intake>` would
+have the reaper push statuses into intake, which failed those rooms in advance.
 """
 from __future__ import annotations
 
+import ipaddress
+import os
+import socket
 from collections import Counter, OrderedDict
 
 from ipc.receivers import MAX_RECEIVERS, ReceiverTable
-from ipc.wire import Register
+from ipc.wire import TOKENSPEED_STATUS, Register
+
+
+def _may_be_this_host(host: str) -> bool:
+    """Whether a connect to `host` may reach this host: a name may (only a lookup would
+    tell, and the name's owner chooses its answer), as may loopback, the unspecified
+    address and any address this host can bind."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return True
+    if ip.is_loopback or ip.is_unspecified:
+        return True
+    with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.bind((str(ip), 0))  # succeeds only for an address of this host
+        except OSError:
+            return False
+    return True
+
+
+class StatusRule:
+    """Which status endpoints a registration may name: none of the worker's own sockets
+    (`own`: its listeners' endpoints, 'tcp://H:P', 'H:P' or 'ipc://PATH'), and an
+    ipc:// path only inside one of `ipc_dirs`."""
+
+    def __init__(self, own: list[str], ipc_dirs: list[str]):
+        self.own_ports: set[int] = set()
+        self.own_paths: set[str] = set()
+        for endpoint in own:
+            if endpoint.startswith("ipc://"):
+                self.own_paths.add(os.path.realpath(endpoint[len("ipc://"):]))
+            elif endpoint:
+                port = endpoint.rsplit(":", 1)[-1]
+                if port.isdigit() and int(port):
+                    self.own_ports.add(int(port))
+        self.ipc_dirs = [os.path.realpath(d) for d in ipc_dirs if d]
+
+    def problem(self, status: str) -> str | None:
+        """Why a registration may not name `status`, or None."""
+        endpoint = status.removeprefix(TOKENSPEED_STATUS)
+        if endpoint.startswith("ipc://"):
+            path = os.path.realpath(endpoint[len("ipc://"):])
+            if path in self.own_paths:
+                return f"register: status {status!r} is one of the worker's own sockets"
+            if not any(os.path.commonpath([path, d]) == d for d in self.ipc_dirs):
+                return (f"register: status {status!r} is an ipc:// path outside status_ipc_dirs "
+                        f"(the directories receivers' ipc:// status sockets may be in)")
+            return None
+        host, _, port = endpoint[len("tcp://"):].rpartition(":")
+        if int(port) in self.own_ports and _may_be_this_host(host):
+            return f"register: status {status!r} may be one of the worker's own sockets (port {port})"
+        return None
 
 
 class Registrations:
@@ -25,8 +84,9 @@ class Registrations:
     adding, hearing from and dropping one."""
 
     def __init__(self, table: ReceiverTable, engaged: Counter, *, idle_s: float,
-                 max_per_key: int = MAX_RECEIVERS):
+                 max_per_key: int = MAX_RECEIVERS, status_rule: StatusRule | None = None):
         self.table = table
+        self.status_rule = status_rule or StatusRule([], [])
         self.engaged = engaged  # receiver -> its rooms in flight and allocs held (the sender's)
         self.idle_s = idle_s
         self.max_receivers = MAX_RECEIVERS
@@ -60,6 +120,9 @@ class Registrations:
 
     def add(self, m: Register, now: float) -> str | None:
         """Register `m` (under `m.key`), or say why not."""
+        problem = self.status_rule.problem(m.status)
+        if problem:
+            return problem
         if m.receiver not in self.by_id:
             own = self.by_key.get(m.key, ())
             if len(self.by_id) >= self.max_receivers or (m.key and len(own) >= self.max_per_key):

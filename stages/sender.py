@@ -26,7 +26,7 @@ from stages.base import POLL_S, Stage
 from stages.records import (OWNER_SENDER, AllocSeen, Fence, Fenced, IntakeRestarted, ItemDone, LateAlloc,
                             Queried, ReadyItem, Registered, RoomFailure, RoomOpened, RoomSucceeded,
                             ShardWritten, UnknownRoom)
-from stages.registrations import Registrations
+from stages.registrations import Registrations, StatusRule
 
 log = logging.getLogger("epd.sender")
 
@@ -81,7 +81,8 @@ class SenderStage(Stage):
     def __init__(self, emit, custody=None, *, arena: Arena, engine, rooms: RoomTable,
                  registrations: ReceiverTable, held: HeldAllocs, hidden: int, dtype: str, deepstack_width: int,
                  bootstrap_timeout_s: float, max_held_allocs: int, endpoint: str = "",
-                 registration_idle_s: float = 3600.0, max_receivers_per_key: int = 64):
+                 registration_idle_s: float = 3600.0, max_receivers_per_key: int = 64,
+                 status_rule: StatusRule | None = None):
         super().__init__(emit, custody)
         self.arena = arena
         self.engine = engine
@@ -93,7 +94,7 @@ class SenderStage(Stage):
         self.endpoint = endpoint
         self.engaged = Counter()  # receiver -> its rooms in flight here and allocs held
         self.receivers = Registrations(registrations, self.engaged, idle_s=registration_idle_s,
-                                       max_per_key=max_receivers_per_key)
+                                       max_per_key=max_receivers_per_key, status_rule=status_rule)
         self.live: dict[int, _RoomTx] = {}
         # Allocs for rooms not opened here yet: (since, alloc, slot in the shared held table).
         self.held_table = held
@@ -579,4 +580,5 @@ def build(env, name, emit, custody) -> SenderStage:
                        deepstack_width=spec.deepstack_width, bootstrap_timeout_s=cfg.bootstrap_timeout_s,
                        max_held_allocs=cfg.max_held_allocs, endpoint=cfg.bootstrap,
                        registration_idle_s=cfg.registration_idle_s,
-                       max_receivers_per_key=cfg.max_receivers_per_key)
+                       max_receivers_per_key=cfg.max_receivers_per_key,
+                       status_rule=StatusRule(cfg.own_endpoints(), cfg.status_ipc_dirs.split(",")))

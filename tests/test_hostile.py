@@ -117,8 +117,8 @@ class Rig:
     made: list
     healthy: dict = field(default_factory=dict)  # room -> [Item]
 
-    def send_healthy(self, seed: int) -> int:
-        room = next(_rooms)
+    def send_healthy(self, seed: int, room: int | None = None) -> int:
+        room = next(_rooms) if room is None else room
         it = Item("image", *image(seed, grid=(1, 4, 2 * (1 + seed % 3))))
         self.client.encode(room, f"healthy-{room}", [it], inline=bool(seed % 2))
         self.rx.alloc(room, 0, span=span_of(it), hidden=64, dtype="bfloat16", deepstack_width=32)
@@ -188,9 +188,15 @@ class IntakeCtx:
         self.vanish: list[str] = []    # paths the worker must have unlinked
         self.survive: list[str] = []   # paths the worker must not have touched
         self.cleanup: list[str] = []
+        self.later: list[int] = []     # rooms a gateway sends once the corpus is in
         own = [n for n in shm.list_objects(rig.prefix) if not n.startswith("sem.")]
         assert own, "the worker's own objects should be listed"
         self.own = own
+
+    def next_room(self) -> int:
+        """A room id a gateway sends, served, after the corpus."""
+        self.later.append(next(_rooms))
+        return self.later[-1]
 
     def item(self, seed=1, **over) -> dict:
         it = Item("image", *image(seed))
@@ -304,7 +310,12 @@ INTAKE_CASES = [
     ("largest u64 room", ("ok", None), lambda c, r: c.ok(2**64 - 1, 11)),
     ("room 0", ("ok", None), lambda c, r: c.ok(0, 12)),
     ("extra keys", ("ok", None), lambda c, r: {**c.ok(r, 13), "colour": "blue", "x": [1, 2]}),
-    ("wrong type on intake", ("fail", "intake takes 'encode'"), lambda c, r: c.msg(r, type="alloc")),
+    # Not a request: dropped, and its room is still the gateway's to send (old code failed it).
+    ("wrong type on intake", ("drop", "intake takes 'encode'"), lambda c, r: c.msg(r, type="alloc")),
+    ("a status on intake", ("drop", "intake takes 'encode'"),
+     lambda c, r: {"v": 1, "type": "status", "room": r, "item": None, "state": "failed", "reason": "unknown room"}),
+    ("a status naming a room a gateway sends next", ("drop", "intake takes 'encode'"),
+     lambda c, r: {"v": 1, "type": "status", "room": c.next_room(), "item": None, "state": "failed", "reason": "x"}),
     ("request_id missing", ("fail", "request_id"), lambda c, r: {k: v for k, v in c.msg(r).items() if k != "request_id"}),
     ("request_id oversize", ("fail", "request_id"), lambda c, r: c.msg(r, request_id="x" * 100_000)),
     ("request_id not a string", ("fail", "request_id"), lambda c, r: c.msg(r, request_id=5)),
@@ -407,6 +418,8 @@ def test_intake_corpus(rig, tmp_path):
             r.healthy[room] = ctx.items_of[room]
         if k % 5 == 4:
             ctx.last_healthy = r.send_healthy(k)
+    for k, room in enumerate(ctx.later):
+        r.send_healthy(1000 + k, room)
     try:
         assert r.rx.wait({room: 1 for room in fails}, 60), [fails[x] for x in fails if x not in r.rx.failed]
         for room, (name, text) in fails.items():
@@ -479,6 +492,14 @@ class BootCtx:
         self.rig, self.evil, self.ghost = rig, evil, ghost
         self.rx_rooms: set[int] = set()   # hostile rooms the healthy receiver allocated too
 
+    @property
+    def intake(self) -> str:
+        return self.rig.w.cfg.intake
+
+    @property
+    def bootstrap_port(self) -> int:
+        return int(self.rig.w.cfg.bootstrap.rsplit(":", 1)[1])
+
     def room(self, room: int) -> int:
         """Open `room` with one (1, 4, 4) image: span 4."""
         self.rig.client.encode(room, f"boot-{room}", [Item("image", *image(room % 97))], inline=True)
@@ -522,6 +543,21 @@ BOOT_CASES = [
     ("register status port too big", ("drop", "bootstrap message: status must be"), lambda c, r: [c.reg(status="tcp://127.0.0.1:70000")]),
     ("register empty ipc status", ("drop", "bootstrap message: status must be"), lambda c, r: [c.reg(status="ipc://")]),
     ("register ipc status too long", ("drop", "bootstrap message: status must be"), lambda c, r: [c.reg(status="ipc://" + "a" * 200)]),
+    # The worker's own sockets as a status endpoint: the reaper would push statuses into
+    # them (into intake: rooms failed before a gateway sent them). Old code took these.
+    ("register status is the worker's intake", ("drop", "register: status"), lambda c, r: [c.reg(status=c.intake)]),
+    ("register status is the worker's bootstrap", ("drop", "register: status"),
+     lambda c, r: [c.reg(status=c.rig.w.cfg.bootstrap)]),
+    ("register status is the bootstrap port by name", ("drop", "register: status"),
+     lambda c, r: [c.reg(status=f"tcp://localhost:{c.bootstrap_port}")]),
+    ("register status is the bootstrap port on any address", ("drop", "register: status"),
+     lambda c, r: [c.reg(status=f"tcp://0.0.0.0:{c.bootstrap_port}")]),
+    ("register tokenspeed status on the bootstrap port", ("drop", "register: status"),
+     lambda c, r: [c.reg(status=f"tokenspeed+tcp://127.0.0.1:{c.bootstrap_port}")]),
+    ("register ipc status outside status_ipc_dirs", ("drop", "register: status"),
+     lambda c, r: [c.reg(status="ipc:///tmp/elsewhere.sock")]),
+    ("register ipc status: the intake spelt otherwise", ("drop", "register: status"),
+     lambda c, r: [c.reg(status="ipc://" + c.intake[len("ipc://"):].replace("/intake.sock", "/./intake.sock"))]),
     # Self-describing allocs (1.1): their session and status register the receiver, so
     # they are held to a register's rules (and a NUL, or a session with no room left for
     # its incarnation, would damage the shared receiver table).
@@ -642,6 +678,137 @@ def test_bootstrap_corpus(rig):
     r.assert_alive()
 
 
+# ================================================================ status endpoints
+
+def _sender_dropped(r: Rig, prefix: str, n: int, timeout: float = 30) -> int:
+    end = time.monotonic() + timeout
+    while counted(r.w.stats()["sender_dropped"], prefix) < n and time.monotonic() < end:
+        time.sleep(0.05)
+    return counted(r.w.stats()["sender_dropped"], prefix)
+
+
+def test_a_status_endpoint_may_not_be_the_workers_own_socket(rig):
+    """A peer that reaches only bootstrap registers the worker's own intake as its status
+    endpoint (by register, and by a self-describing alloc) and queries room ids a gateway
+    has yet to send. Both registrations are refused, so nobody pushes statuses into intake;
+    the rooms, sent next, are served. Old code took the registration and the reaper pushed
+    "unknown room" into intake, which failed the rooms before the gateway sent them."""
+    r = rig()
+    intake = r.w.cfg.intake
+    peer = zmq.Context.instance().socket(zmq.PUSH)
+    peer.setsockopt(zmq.LINGER, 1000)
+    peer.connect(r.w.cfg.bootstrap)
+    r.made.append(peer)
+    rooms = [next(_rooms) for _ in range(4)]
+    peer.send(pack({"v": 1, "type": "register", "receiver": "squatter", "session": "127.0.0.1:1",
+                    "status": intake}))
+    peer.send(pack({"v": 1, "type": "alloc", "receiver": "squatter2", "session": "127.0.0.1:1", "status": intake,
+                    "room": rooms[3], "item": 0, "row_start": 0, "n_rows": 4, "fanout": 1, "dst": 4096,
+                    "dst_deepstack": 8192, **SPAN4}))
+    for room in rooms[:3]:
+        peer.send(pack({"v": 1, "type": "query", "receiver": "squatter", "room": room}))
+    # The gateway sends once the queries were dropped, or (old code) once what the reaper
+    # pushed into intake had failed the rooms.
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        if counted(r.w.stats()["sender_dropped"], "query from unregistered receiver") >= 3:
+            break
+        if all(r.outcome(room) is not None for room in rooms[:3]):
+            break
+        time.sleep(0.05)
+    for k, room in enumerate(rooms[:3]):
+        r.send_healthy(k, room)
+    r.check_healthy()  # served, bit for bit: none failed in advance
+    assert _sender_dropped(r, "register: status", 2) == 2, r.w.stats()["sender_dropped"]
+    assert counted(r.w.stats()["intake_dropped"], "intake takes") == 0  # nothing was pushed there
+    r.assert_alive()
+
+
+def test_a_status_on_intake_fails_no_room(rig):
+    """Intake drops, and counts, any message but an encode, without failing the room it
+    names: that room is the gateway's to send (old code failed it: "intake takes 'encode'
+    messages, not 'status'")."""
+    r = rig()
+    room = next(_rooms)
+    r.client.send_raw(pack({"v": 1, "type": "status", "room": room, "item": None, "state": "failed",
+                            "reason": "unknown room"}))
+    r.send_healthy(1, room)
+    r.check_healthy()
+    assert counted(r.w.stats()["intake_dropped"], "intake takes 'encode' messages") == 1
+    r.assert_alive()
+
+
+def test_status_rule_names_own_sockets_and_ipc_dirs(tmp_path):
+    from stages.registrations import StatusRule
+
+    allowed = tmp_path / "status"
+    allowed.mkdir()
+    run = allowed / "run"  # the worker's run directory inside an allowed one
+    run.mkdir()
+    rule = StatusRule([f"ipc://{run}/intake.sock", "tcp://127.0.0.1:17600", "0.0.0.0:9100"], [str(allowed)])
+    assert rule.problem(f"ipc://{allowed}/rx.sock") is None
+    assert "own sockets" in rule.problem(f"ipc://{run}/intake.sock")
+    assert "own sockets" in rule.problem(f"ipc://{run}/../run/./intake.sock")
+    link = allowed / "link.sock"
+    link.symlink_to(run / "intake.sock")
+    assert "own sockets" in rule.problem(f"ipc://{link}")
+    assert "outside status_ipc_dirs" in rule.problem(f"ipc://{allowed}/../elsewhere.sock")
+    for own in ("tcp://127.0.0.1:17600", "tcp://localhost:9100", "tcp://[::1]:17600", "tcp://0.0.0.0:9100",
+                "tokenspeed+tcp://127.0.0.1:17600"):
+        assert "own sockets" in rule.problem(own), own
+    assert rule.problem("tcp://127.0.0.1:17601") is None
+    assert rule.problem("tcp://192.0.2.7:17600") is None  # another host's port 17600 (TEST-NET-1)
+
+    from pipeline.config import ConfigError, WorkerConfig
+
+    WorkerConfig(status_ipc_dirs=str(allowed)).resolved().validate()
+    with pytest.raises(ConfigError, match="every user may write") as e:
+        WorkerConfig(status_ipc_dirs=f"{allowed},/tmp").resolved().validate()
+    assert e.value.key == "status_ipc_dirs"
+
+
+# ================================================================ tombstones
+
+def test_unknown_room_queries_never_evict_a_real_rooms_tombstone(rig):
+    """60 queries for rooms nobody sent, under max_tombstones 50: each hears "unknown room",
+    and the finished room is still remembered: its late alloc hears that it concluded, and
+    its id sent again is a duplicate. Old code spent the one budget on the unknown rooms and
+    evicted the real room's tombstone: its late alloc heard "unknown room" (and the id ran
+    again)."""
+    r = rig(max_tombstones=50, tombstone_ttl_s=3600.0, bootstrap_timeout_s=3.0)
+    done = r.send_healthy(0)
+    r.check_healthy()
+    mem = Receiver("mem", r.w.cfg.bootstrap, buffer_bytes=1 << 20)
+    r.made.append(mem)
+    asker = RawPeer("asker", r.w.cfg.bootstrap, mem)
+    r.made.append(asker)
+    unknown = [next(_rooms) for _ in range(61)]
+    for room in unknown[:60]:
+        asker.send({"v": 1, "type": "query", "receiver": "asker", "room": room})
+    assert asker.wait(unknown[:60], 60), sorted(set(unknown[:60]) - set(asker.statuses))
+    assert all(asker.reason(room) == "unknown room" for room in unknown[:60])
+    # One more, answered in a later round: the reaper has expired what it would after the 60.
+    asker.send({"v": 1, "type": "query", "receiver": "asker", "room": unknown[60]})
+    assert asker.wait(unknown[60:], 30)
+    asker.send(asker.alloc(done))
+    assert asker.wait([done], 30)
+    assert asker.reason(done) == "room already concluded", asker.reason(done)
+    assert r.outcome(done) == ("SUCCESS", "")
+    r.client.encode(done, "again", [Item("image", *image(5))], inline=True)
+    end = time.monotonic() + 30
+    while counted(r.w.stats()["intake_dropped"], "duplicate room") < 1 and time.monotonic() < end:
+        time.sleep(0.05)
+    assert counted(r.w.stats()["intake_dropped"], "duplicate room") == 1, "a finished room's id ran again"
+    def remembered():
+        stats = r.w.stats()
+        return stats.get("tombstones"), stats.get("unknown_rooms_remembered")
+
+    while remembered() != (1, 50) and time.monotonic() < end:  # stages publish their stats now and then
+        time.sleep(0.05)
+    assert remembered() == (1, 50)
+    r.assert_alive()
+
+
 # ================================================================ status corpus (the receiver library)
 
 def _status(room, item=None, state="failed", reason="forged", **over):
@@ -650,7 +817,8 @@ def _status(room, item=None, state="failed", reason="forged", **over):
 
 
 # (name, expected count key in Receiver.dropped, build(ctx) -> frame); ctx has ok_room (its
-# item 0 succeeded), failed_room (failed), live (allocated, not yet concluded)
+# item 0 succeeded), failed_room (failed), live (allocated, not yet concluded), target
+# (allocated, never sent: the forgery it hears is all it hears)
 STATUS_CASES = [
     ("not msgpack", "unparseable", lambda c: b"\xc1 garbage"),
     ("empty", "unparseable", lambda c: b""),
@@ -684,6 +852,9 @@ STATUS_CASES = [
     ("failed after failed, item set", "second failed", lambda c: _status(c.failed_room, 0, "failed", "x")),
     ("failed for a room never allocated", "never allocated", lambda c: _status(c.never)),
     ("failed for another room never allocated", "never allocated", lambda c: _status(2**64 - 1)),
+    # The worker said hello (it speaks 1.1): a success without a digest fails its room, where
+    # old code concluded it with rows nobody wrote.
+    ("success without a digest", "no digest", lambda c: _status(c.target, 0, "success", "")),
 ]
 
 
@@ -708,6 +879,8 @@ def test_status_corpus(rig):
     first_reason = rx.failed[c.failed_room]
     assert "span" in first_reason
     c.live = r.send_healthy(3)  # the forgeries that name it must not conclude it
+    c.target = next(_rooms)
+    rx.alloc(c.target, 0, **SPAN4)
     forger = zmq.Context.instance().socket(zmq.PUSH)
     forger.setsockopt(zmq.LINGER, 1000)
     forger.connect(rx.status_endpoint)
@@ -727,6 +900,7 @@ def test_status_corpus(rig):
         # nothing forged was applied
         assert rx.failed[c.failed_room] == first_reason
         assert c.never not in rx.failed and 2**64 - 1 not in rx.failed
+        assert "without a digest" in rx.failed[c.target] and (c.target, 0) not in rx.success
         assert not [key for key in rx.success if key[0] in (c.never, c.failed_room) or key[1] != 0]
         breaches = sum(n for kind, n in expected.items() if kind != "never allocated")
         assert len(rx.violations) == breaches
@@ -743,6 +917,52 @@ def test_status_corpus(rig):
         assert rx.dropped == expected
     finally:
         forger.close()
+
+
+def test_a_forged_success_without_a_digest_fails_the_room(rig):
+    """Anyone who reaches a receiver's status socket pushes `success` without a digest for
+    a room it allocated, before the worker wrote a row. The worker said hello at register
+    (it speaks 1.1), so the receiver requires digests: the room fails, with the reason, and
+    nothing the worker sends of it later changes that; real successes (digests all) and a
+    receiver that opts out go on as before. Old code concluded the room with zero rows."""
+    r = rig()
+    rx = r.rx
+    r.send_healthy(0)
+    r.check_healthy()  # its hello came first, on the same socket
+    forger = zmq.Context.instance().socket(zmq.PUSH)
+    forger.setsockopt(zmq.LINGER, 1000)
+    forger.connect(rx.status_endpoint)
+    r.made.append(forger)
+    room = next(_rooms)
+    rx.alloc(room, 0, **SPAN4)
+    forger.send(_status(room, 0, "success", ""))
+    end = time.monotonic() + 30
+    while room not in rx.failed and (room, 0) not in rx.success and time.monotonic() < end:
+        rx.poll(0.05)
+    assert (room, 0) not in rx.success, "a forged success concluded the room with rows nobody wrote"
+    assert rx.failed[room].startswith("success without a digest"), rx.failed[room]
+    assert rx.digest_required and rx.worker_speaks == "1.1"
+    assert rx.digests_missing == 1 and rx.dropped["no digest"] == 1
+    # The worker's own status for it (the room sent now) is dropped: the room failed here.
+    r.client.encode(room, "after", [Item("image", *image(4))], inline=True)
+    end = time.monotonic() + 30
+    while not rx.dropped["after digest mismatch"] and time.monotonic() < end:
+        rx.poll(0.05)
+    assert rx.dropped["after digest mismatch"] == 1 and rx.failed[room].startswith("success without")
+    r.send_healthy(1)
+    r.check_healthy()
+    # Opted out (workers of 1.0 share it): a success without a digest is taken as before.
+    lax = Receiver("lax", r.w.cfg.bootstrap, buffer_bytes=1 << 20, require_digest=False)
+    r.made.append(lax)
+    other = next(_rooms)
+    lax.alloc(other, 0, **SPAN4)
+    loose = zmq.Context.instance().socket(zmq.PUSH)
+    loose.setsockopt(zmq.LINGER, 1000)
+    loose.connect(lax.status_endpoint)
+    r.made.append(loose)
+    loose.send(_status(other, 0, "success", ""))
+    assert lax.wait({other: 1}, 30) and (other, 0) in lax.success and not lax.digest_required
+    r.assert_alive()
 
 
 # ================================================================ Hypothesis: one field corrupted
@@ -809,7 +1029,7 @@ def one_corruption(draw, msg):
     choices = [
         (("v",), st.one_of(st.just(_DELETE), st.integers(2, 9), NON_INT), DROP),
         (("type",), st.one_of(st.just(_DELETE), NON_STR), DROP),
-        (("type",), st.sampled_from(["alloc", "Encode", "", "register"]), FAIL),
+        (("type",), st.sampled_from(["alloc", "Encode", "", "register", "status"]), DROP),
         (("room",), st.one_of(st.just(_DELETE), NON_INT, HUGE), DROP),
         (("request_id",), st.one_of(st.just(_DELETE), NON_STR, st.just(""), st.just("r" * 129)), FAIL),
         (("items",), st.one_of(st.just(_DELETE), NON_LIST, st.just([]), st.just([{}] * 9)), FAIL),

@@ -296,3 +296,62 @@ def test_build_versions_import_nothing():
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr
     assert "'python'" in out.stdout and "'torch'" in out.stdout
+
+
+# ---------------------------------------------------------------- bounds of the endpoint
+
+def test_the_endpoint_binds_off_loopback_only_when_the_operator_accepts_the_risk():
+    from pipeline.config import ConfigError, WorkerConfig
+
+    WorkerConfig(metrics_endpoint="127.0.0.1:9100").resolved().validate()
+    WorkerConfig(metrics_endpoint="[::1]:9100").resolved().validate()
+    with pytest.raises(ConfigError, match="allow-insecure-network") as e:
+        WorkerConfig(metrics_endpoint="0.0.0.0:9100").resolved().validate()
+    assert e.value.key == "metrics_endpoint"
+    WorkerConfig(metrics_endpoint="0.0.0.0:9100", allow_insecure_network=True).resolved().validate()
+
+
+def _held(conns: list) -> int:
+    """How many of these client connections the server still holds open."""
+    held = 0
+    for c in conns:
+        c.setblocking(False)  # a socket with a timeout would wait that long in recv
+        try:
+            if c.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                held += 1
+        except BlockingIOError:
+            held += 1  # open, nothing sent: still held
+        except OSError:
+            pass  # reset: closed
+    return held
+
+
+@pytest.mark.parametrize("mode", ["inprocess", "pipeline"])
+def test_idle_connections_hold_at_most_the_cap_and_rooms_are_served(started, mode):
+    """Hundreds of connections that send nothing: the endpoint holds at most its cap
+    (the rest closed as they come), drops those after its idle timeout, and the worker
+    serves rooms throughout. Old code held every one, each a descriptor and a thread,
+    for good."""
+    MAX_HTTP_CONNECTIONS = 16
+
+    w, client, r = started(mode)
+    port = w.runtime.metrics.port
+    conns = []
+    try:
+        for _ in range(300):
+            conns.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+        room = next(_rooms)
+        send(client, r, w, room, 4000)
+        assert r.wait({room: 1}, 60) and room not in r.failed, r.failed.get(room)
+        end = time.monotonic() + 30
+        while _held(conns) > MAX_HTTP_CONNECTIONS and time.monotonic() < end:
+            time.sleep(0.1)  # the accepts still in the listen queue
+        held = _held(conns)
+        assert held <= MAX_HTTP_CONNECTIONS, f"{held} idle connections held open (cap {MAX_HTTP_CONNECTIONS})"
+        while _held(conns) and time.monotonic() < end + 30:
+            time.sleep(0.1)
+        assert _held(conns) == 0, "idle connections never dropped"
+    finally:
+        for c in conns:
+            c.close()
+    assert scrape(w), "the endpoint serves again once the idle connections are gone"

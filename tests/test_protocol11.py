@@ -223,6 +223,7 @@ def test_a_lost_status_comes_again_on_query_and_a_repeat_is_dropped(mode, shm_pr
     w = started(made, start_worker(mode, sim_config(shm_prefix, tmp_path)))
     client = started(made, Client(w.cfg.intake, shm_prefix))
     rx = started(made, Receiver("rx0", w.cfg.bootstrap, buffer_bytes=8 << 20, query_after_s=0.5))
+    wait_for(lambda: rx.poll(0.1) == [] and rx.worker_speaks, what="the worker's hello")  # first in the socket
     room = next(_rooms)
     send(client, rx, room, 5)
     assert rx.status_sock.poll(30_000)

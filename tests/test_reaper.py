@@ -251,7 +251,7 @@ def test_an_unknown_room_is_remembered_by_a_successor(tables):
     stage, pusher, _ = make_reaper(tables)
     feed(stage, "sender", UnknownRoom(99, RECEIVER, "unknown room"))
     nxt, heard, _ = successor(tables)
-    assert 99 in nxt.tombstones, "freed with its tombstone, like any other"
+    assert 99 in nxt.unknown, "freed with its tombstone, like any other"
     feed(nxt, "sender", UnknownRoom(99, RECEIVER, "unknown room"))
     assert states(pusher) == [(None, "failed")] and heard.sent == []
     stage.close()
@@ -278,9 +278,29 @@ def test_told_entries_go_with_their_tombstone(tables, rooms):
     feed(stage, "sender", Fenced(ROOM, (RECEIVER,)))
     told = stage.told
     assert told.told_failed(ROOM, RECEIVER)
-    feed(stage, "sender", UnknownRoom(98, RECEIVER, "unknown room"))  # a second tombstone: one too many
+    other = rooms.insert(ROOM + 1, "req-8", 1, OWNER_INTAKE)  # a second tombstone: one too many
+    feed(stage, "intake", RoomOpened(other, ROOM + 1, "req-8", (4,), 0.0))
+    feed(stage, "sender", RoomFailure(other, ROOM + 1, "canceled"))
+    feed(stage, "sender", Fenced(ROOM + 1, (RECEIVER,)))
     stage.tick(time.monotonic())
     assert rooms.get(slot) is None and not told.told_anything(ROOM, RECEIVER)
+    stage.close()
+
+
+def test_unknown_rooms_never_evict_a_real_rooms_tombstone(tables, rooms):
+    """Unknown rooms have a budget of their own (max_tombstones of them): past it the oldest
+    unknown one goes, with what it was told; a concluded room's tombstone stays."""
+    stage, pusher, _ = make_reaper(tables, max_tombstones=2)
+    slot = rooms.insert(ROOM, "req-7", 1, OWNER_INTAKE)
+    feed(stage, "intake", RoomOpened(slot, ROOM, "req-7", (4,), 0.0))
+    cancel_at_sender(stage, slot)
+    for room in range(100, 105):
+        feed(stage, "sender", UnknownRoom(room, RECEIVER, "unknown room"))
+    stage.tick(time.monotonic())
+    assert list(stage.tombstones) == [ROOM] and list(stage.unknown) == [103, 104]
+    assert stage.told.told_failed(ROOM, RECEIVER) and not stage.told.told_anything(100, RECEIVER)
+    feed(stage, "sender", LateAlloc(ROOM, "prefill-9"))
+    assert pusher.sent[-1][1]["reason"] == "canceled"
     stage.close()
 
 
