@@ -44,6 +44,7 @@ RESTART_MARGIN_S = 5.0  # besides heartbeat_timeout_s: a dead or hung stage foun
 # carry before their `failed` goes anyway: Mooncake's own bound on a write that makes no
 # progress (MC_TCP_PROGRESS_TIMEOUT_SEC, its default), which a live sender would have met.
 LATE_BYTES_BOUND_S = 30.0
+MAX_REFUSED_TOLD = 65536  # (room, receiver) pairs told of a refusal, remembered as boundedly as tombstones
 DRAIN_POLL_S = 0.05
 
 
@@ -79,6 +80,7 @@ class ReaperStage(Stage):
         # Rooms failed while the room table was full ("worker busy: ..."): what their allocs
         # hear, as long as their tombstone lasts (it bounds this too).
         self.untabled: dict[int, str] = {}
+        self.refused_told: OrderedDict[tuple[int, str], None] = OrderedDict()  # (room, receiver): _refused
         self.deadlines: list[tuple[float, int, int]] = []  # a heap of (deadline, slot, room)
         self._prune_at = 64
         self.tombstones: OrderedDict[int, tuple[float, int]] = OrderedDict()  # room -> (concluded, slot)
@@ -150,8 +152,10 @@ class ReaperStage(Stage):
                 self._fenced(room, receivers)
             case LateAlloc(room=room, receiver=receiver):
                 self._alloc_after_all(room, receiver, "unknown room", dropped=False)
-            case UnknownRoom(room=room, receiver=receiver, reason=reason):
+            case UnknownRoom(room=room, receiver=receiver, reason=reason, refused=""):
                 self._alloc_after_all(room, receiver, reason, dropped=True)
+            case UnknownRoom(room=room, receiver=receiver, reason=reason, refused=kind):
+                self._refused(room, receiver, reason, kind)
             case Queried(room=room, receiver=receiver, pending=pending):
                 self._on_query(room, receiver, pending)
             case _:
@@ -324,6 +328,19 @@ class ReaperStage(Stage):
         else:
             self.query_answers["late"] += 1
             self._alloc_after_all(room, receiver, "unknown room", dropped=False)
+
+    def _refused(self, room: int, receiver: str, reason: str, kind: str) -> None:
+        """A message the room is not its key's (stages/ownership.py): told what a room never
+        seen would tell it, once, and a query's repeat after that; nothing of the room."""
+        if receiver not in self.registrations:
+            return
+        if (room, receiver) not in self.refused_told:
+            self.refused_told[(room, receiver)] = None
+            if len(self.refused_told) > MAX_REFUSED_TOLD:
+                self.refused_told.popitem(last=False)
+            self.pusher.send(receiver, wire.status_message(room, None, False, reason))
+        elif kind == "query":
+            self.pusher.send(receiver, wire.status_message(room, None, False, "room failed", repeat=True))
 
     def _fenced(self, room: int, receivers) -> None:
         if room in self.draining:  # the fence a successor answers: bytes of its predecessor may still land

@@ -193,6 +193,9 @@ class UnknownRoom:
     room: int
     receiver: str
     reason: str
+    # The kind of message ("alloc", "cancel", "query") refused because the room is not its
+    # key's (stages/ownership.py): answered as a room never seen would be, whatever the room.
+    refused: str = ""
 
 
 @dataclass(frozen=True, slots=True)
