@@ -31,6 +31,13 @@ from stages.records import UnknownRoom
 KINDS = ("alloc", "cancel", "query")  # the messages counted when refused
 
 
+def may_hear(keys: tuple[int, ...], key: str) -> bool:
+    """May a receiver registered under `key` hear of a room with these key tags? (A key
+    that allocated into it is among them: its first alloc claimed it.)"""
+    tag = wire.key_tag(key)
+    return not tag or tag in keys
+
+
 class RoomKeys:
     """Which keys a room in the table belongs to, and the refusals of all other keys."""
 

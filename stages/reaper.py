@@ -31,6 +31,7 @@ from ipc.stats import Histogram, ReasonCode, reason_class
 from ipc.wire import Register
 from stages import registry
 from stages.base import Stage
+from stages.ownership import may_hear
 from stages.records import (OWNER_REAPER, AllocSeen, Fence, Fenced, IntakeRestarted, ItemDone, LateAlloc,
                             Queried, Registered, RoomAbandoned, RoomFailure, RoomOpened, RoomsLost, RoomSucceeded,
                             ShardWritten, UnknownRoom)
@@ -372,8 +373,8 @@ class ReaperStage(Stage):
             # Allocs a dead sender had received were never acknowledged, and a room the
             # watchdog fails lost a record somewhere: who allocated is not known for sure,
             # so every registered receiver hears (and ignores a room it never allocated
-            # for), so that none waits forever.
-            to |= set(self.registrations)
+            # for), so that none waits forever; under CURVE, only those of the room's keys.
+            to |= {r for r, reg in self.registrations.items() if may_hear(entry.keys, reg.key)}
         return reason, to
 
     def _allocs_maybe_lost(self, entry) -> bool:
