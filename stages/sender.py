@@ -195,8 +195,9 @@ class SenderStage(Stage):
         elif verdict is None and not isinstance(m, Alloc):
             held = self.held.get(m.room, [])
             mine = [h for h in held if h[1].receiver == m.receiver]
-            if isinstance(m, Query):
-                self.emit(registry.REAPER, Queried(m.room, m.receiver, bool(mine) or self.keys.waits(m.room, m.receiver)))
+            if isinstance(m, Query):  # answered without a look at the room, which may open meanwhile
+                if not (mine or self.keys.waits(m.room, m.receiver)):
+                    self.emit(registry.REAPER, UnknownRoom(m.room, m.receiver, "unknown room", "query"))
             elif self.keys.forget(m.room, m.receiver) or mine:  # it gives up its own allocs, not the room
                 self.held[m.room] = [h for h in held if h not in mine]
                 if not self.held[m.room]:
@@ -315,7 +316,10 @@ class SenderStage(Stage):
         entry = self.rooms.get(slot) if slot is not None else None
         if (entry is not None and entry.state in (RoomState.SUCCESS, RoomState.FAILED)
                 or self._fenced_unopened(a.room, entry, pop=False)):
-            self.emit(registry.REAPER, LateAlloc(a.room, a.receiver))
+            if a.key and not self.keys.verdict(a.room, a.key, claim=False):  # opened since it was checked
+                self.keys.refuse(a, arrival, self.n_held)
+            else:
+                self.emit(registry.REAPER, LateAlloc(a.room, a.receiver))
             return
         slot = self.held_table.put(arrival, a) if self.n_held + self.keys.n_waiting < self.max_held_allocs else None
         if slot is None:
