@@ -419,3 +419,37 @@ def room_entry(w, room: int):
     rooms = w.runtime.rooms
     slot = rooms.find(room)
     return None if slot is None else rooms.get(slot)
+
+
+def test_an_alloc_held_across_a_sender_restart_keeps_its_key(shm_prefix, tmp_path, certs):
+    """An alloc for a room not yet opened is held in shared memory with the key it came
+    under: the sender that succeeds a SIGKILLed one checks it against the room's keys when
+    the room opens, and the thief still gets no row. (A held alloc without its key would
+    pass as no-CURVE's, anyone's.)"""
+    w = start_worker("pipeline", sim_config(shm_prefix, tmp_path, curve_cert=certs["worker"],
+                                            curve_clients=certs["clients"], bootstrap_timeout_s=30.0))
+    made = [w]
+    try:
+        client = Client(w.cfg.intake, None, **peer(certs, "gateway"))
+        rx = Receiver("rx", w.cfg.bootstrap, buffer_bytes=4 << 20, **peer(certs, "rx"))
+        thief = Receiver("thief", w.cfg.bootstrap, buffer_bytes=4 << 20, **peer(certs, "other"))
+        made += [client, rx, thief]
+        room = next(_rooms)
+        thief.alloc(room, 0, **SPAN4)
+        wait_for(lambda: w.stats().get("sender_held_allocs") == 1, what="the thief's alloc was not held")
+        os.kill(w.runtime.procs["sender"].pid, signal.SIGKILL)
+        wait_for(lambda: w.runtime.restart_counts["sender"] >= 1, 60, "the sender was not restarted")
+        it = Item("image", *image(5))
+        key = curve.load_public(certs["rx"]).decode()
+        client.send({**client.message(room, "after", [it], inline=True), "receivers": [key]})
+        wait_for(lambda: w.stats().get("sender_refused", {}).get("alloc") == 1 or (room, 0) in thief.success
+                 or thief.poll(0.05) and False, 60, "the held alloc was neither refused nor written")
+        rx.alloc(room, 0, **SPAN4)
+        assert rx.wait({room: 1}, 60) and room not in rx.failed, rx.failed.get(room)
+        main, deep = expected_sim_rows(it.pixels, "image", 4, 64, 32, "bfloat16")
+        got_main, got_deep = rx.rows(room, 0)
+        assert np.array_equal(got_main, main) and np.array_equal(got_deep, deep)
+        assert not thief.success, thief.success
+    finally:
+        for obj in reversed(made):
+            obj.close()
