@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
     run_state_machine_as_test
 
 from ipc import rooms as rooms_mod
-from ipc import shm
+from ipc import shm, wire
 from tests.helpers import fork_call, wait_child
 from ipc.rooms import RoomEntry, RoomState, RoomTable, TableFull
 
@@ -558,3 +558,4 @@ def test_a_room_keeps_its_keys_and_is_claimed_once_while_live(make_table):
     assert t.get(open_).keys == (gw, rx) + (0,) * 6, "kept past its conclusion (a tombstone's)"
     with pytest.raises(ValueError, match="at most 8 keys"):
         t.insert(5, "many", 1, 0, keys=tuple(range(1, 10)))
+    assert rooms_mod.ROOM_KEYS == 1 + wire.MAX_ROOM_RECEIVERS, "a gateway's key and every receiver's it may name"
