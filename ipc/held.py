@@ -28,14 +28,16 @@ from .wire import MAX_ID_CHARS, Alloc
 
 __all__ = ["HeldAllocs"]
 
-BODY = 4 * MAX_ID_CHARS + 144  # an alloc: a receiver id of MAX_ID_CHARS in UTF-8, a dozen numbers, its session's hash
+# An alloc: a receiver id of MAX_ID_CHARS in UTF-8, a dozen numbers, its session's hash,
+# and the CurveZMQ key it came under (40 characters).
+BODY = 4 * MAX_ID_CHARS + 144 + 48
 _HEAD = struct.Struct("<dH")  # held since (time.monotonic()), body length
 _SLOT = _HEAD.size + BODY
 _values = attrgetter(*(f.name for f in fields(Alloc)))  # dataclasses.astuple deep-copies each value: 20x slower
 
 
 class HeldAllocs(SlotTable):
-    MAGIC = 0x646C_6568_0000_0003  # "held", layout 3
+    MAGIC = 0x646C_6568_0000_0004  # "held", layout 4
     KIND = "held-alloc table"
     SLOT_BYTES = _SLOT
 

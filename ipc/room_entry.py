@@ -34,6 +34,7 @@ class RoomEntry:
     deadline: float
     created: float
     concluded: float
+    keys: tuple[int, ...] = ()  # tags of the CurveZMQ keys it belongs to (ipc/rooms.py)
 
     @property
     def live(self) -> bool:

@@ -34,7 +34,9 @@ Custody without the lock: ``RoomClaims`` (ipc/room_claims.py), a claim per slot 
 owner that only that owner writes, counted only while its room is the slot's room.
 
 ``room`` is an unsigned 64-bit id (the protocol's); ``request_id`` (128 UTF-8 bytes)
-and ``reason`` (256) are cut with '…' when longer.
+and ``reason`` (256) are cut with '…' when longer. ``keys`` are the tags
+(``wire.key_tag``) of the CurveZMQ keys the room belongs to, gateway's first; all 0
+without CURVE (stages/ownership.py says what they allow).
 """
 from __future__ import annotations
 
@@ -59,7 +61,8 @@ _FINAL = (RoomState.SUCCESS, RoomState.FAILED)
 REQUEST_ID_BYTES = 128
 REASON_BYTES = 256
 # record: crc32 over the rest, then the body
-_BODY = struct.Struct(f"<IQBBHIIddd{REQUEST_ID_BYTES}s{REASON_BYTES}s")
+ROOM_KEYS = 8  # the opening gateway's key and up to seven receivers' (wire.MAX_ROOM_RECEIVERS)
+_BODY = struct.Struct(f"<IQBBHIIddd{REQUEST_ID_BYTES}s{REASON_BYTES}s{ROOM_KEYS}Q")
 _REC = 4 + _BODY.size
 # header words (u64) after the magic, the capacity and the size
 _H_REPAIRS, _H_INDEX_SEQ, _H_CURSOR = 3, 4, 5
@@ -76,9 +79,10 @@ def _layout(capacity: int) -> dict[str, int]:
 
 # body field indices (after ver)
 _ROOM, _STATE, _RIDLEN, _REASONLEN, _TOTAL, _DONE, _DEADLINE, _CREATED, _CONCLUDED, _RID, _REASON = range(11)
+_KEYS = slice(11, 11 + ROOM_KEYS)
 _U64 = (0, 2**64 - 1)
 _U32_MAX = 2**32 - 1
-_FREE_FIELDS = (0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0, b"", b"")
+_FREE_FIELDS = (0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0, b"", b"") + (0,) * ROOM_KEYS
 _READ_SPINS = 64
 _STATES = tuple(RoomState)
 _new_entry = object.__new__
@@ -112,7 +116,7 @@ def _check_range(name: str, v, lo: int, hi: int) -> int:
 class RoomTable(SharedTable):
     """Rooms in shared memory: readable lock-free by any process, updated under a lock."""
 
-    MAGIC = 0x6D6F_6F72_0000_0004  # "room", layout 4
+    MAGIC = 0x6D6F_6F72_0000_0005  # "room", layout 5
     KIND = "room table"
 
     @classmethod
@@ -242,7 +246,7 @@ class RoomTable(SharedTable):
             holders=self._claims.holders(slot, f[_ROOM]), items_total=f[_TOTAL],
             items_done=f[_DONE],
             reason=f[_REASON][:f[_REASONLEN]].decode("utf-8", "replace"),
-            deadline=f[_DEADLINE], created=f[_CREATED], concluded=f[_CONCLUDED],
+            deadline=f[_DEADLINE], created=f[_CREATED], concluded=f[_CONCLUDED], keys=tuple(f[_KEYS]),
         )
         return e
 
@@ -349,8 +353,10 @@ class RoomTable(SharedTable):
 
     def insert(self, room: int, request_id: str, items_total: int, holders: int,
                deadline: float = 0.0, state: RoomState = RoomState.BOOTSTRAPPING,
-               existing_ok: bool = False) -> int:
+               existing_ok: bool = False, keys: tuple[int, ...] = ()) -> int:
         """Record a new room; return its slot. TableFull when no slot is FREE.
+
+        ``keys``: the tags of the keys it belongs to, at most ROOM_KEYS (none without CURVE).
 
         ValueError if a non-FREE entry (live or tombstone) already has this room id, or
         with ``existing_ok`` that entry's slot: looked up under the lock, so a room another
@@ -362,10 +368,13 @@ class RoomTable(SharedTable):
         state = RoomState(state)
         if state == RoomState.FREE:
             raise ValueError("a room cannot be inserted FREE")
+        if len(keys) > ROOM_KEYS:
+            raise ValueError(f"a room belongs to at most {ROOM_KEYS} keys, not {len(keys)}")
+        keys = [_check_range("key tag", k, *_U64) for k in keys] + [0] * (ROOM_KEYS - len(keys))
         rid = _cut(str(request_id), REQUEST_ID_BYTES)
         now = time.monotonic()
         fields = [room, int(state), len(rid), 0, items_total, 0, float(deadline), now,
-                  now if state in _FINAL else 0.0, rid, b""]
+                  now if state in _FINAL else 0.0, rid, b"", *keys]
         with self._lock:
             self._clean_index()
             dup = self._find_locked(room)
@@ -431,6 +440,22 @@ class RoomTable(SharedTable):
             return f
 
         return bool(self._update(slot, room, change))
+
+    def claim(self, slot: int, room: int, tag: int) -> tuple[int, ...] | None:
+        """The room's key tags once ``tag`` claimed it, if it could: a live room whose
+        gateway named no receiver (keys[1] is 0) is claimed by the first key that allocs
+        into it (stages/ownership.py). None if ``slot`` no longer holds ``room``."""
+        tag = _check_range("key tag", tag, 1, _U64[1])
+        out = []
+
+        def change(f):
+            keys = f[_KEYS]
+            if keys[0] and not keys[1] and tag not in keys and f[_STATE] < RoomState.SUCCESS:
+                f[_KEYS.start + 1] = tag
+            out.append(tuple(f[_KEYS]))
+            return f if out[0] != tuple(keys) else True
+
+        return out[0] if self._update(slot, room, change) else None
 
     def _is_there(self, slot: int, room: int) -> bool:
         # The usual answer from the active copy's columns (written with that copy, before it

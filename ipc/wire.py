@@ -1,4 +1,4 @@
-"""Wire protocol version 1 (1.1: docs/protocol.md): parsing and validation of messages.
+"""Wire protocol version 1 (1.2: docs/protocol.md): parsing and validation of messages.
 
 Only structure is checked here; rules that need the worker's state (the tower's
 patch_dim, the item's span, remembered rooms) are checked by the stages.
@@ -26,6 +26,8 @@ MAX_SESSION_BYTES = 4 * MAX_ID_CHARS - 24  # room for an incarnation beside it (
 MAX_REASON_KEYS = 64
 MAX_CACHE_SALT = 128  # characters of an encode's cache_salt (protocol 1.1)
 CACHE_KEY_BYTES = 32  # the key of the keyed content hash (BLAKE3's key size)
+MAX_ROOM_RECEIVERS = 7  # (1.2) receiver keys an encode may name: with its gateway's, ipc/rooms.py's ROOM_KEYS
+_Z85_KEY = re.compile(r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}")  # a CurveZMQ public key
 # What ZeroMQ can connect to: a host (name, IPv4 or [IPv6]) and a port, or an ipc path
 # that fits a socket address. Anything else makes connect() raise in the reaper.
 # A status endpoint under TOKENSPEED_STATUS hears tokenspeed's status frames instead of
@@ -113,6 +115,7 @@ class EncodeRequest:
     items: list[EncodeItem]
     deadline_ms: int | None
     cache_salt: str = ""  # absent (or nil) is the empty salt
+    receivers: tuple[str, ...] = ()  # (1.2) the receivers' public keys (Z85) the room belongs to
 
 
 def shm_names(msg: dict) -> list[str]:
@@ -143,11 +146,16 @@ def parse_encode(msg: dict, max_items: int) -> EncodeRequest:
     salt = msg.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT):
         raise ProtocolError(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters")
+    receivers = msg.get("receivers")
+    if receivers is not None and not (isinstance(receivers, list) and 1 <= len(receivers) <= MAX_ROOM_RECEIVERS
+                                      and all(isinstance(k, str) and _Z85_KEY.fullmatch(k) for k in receivers)):
+        raise ProtocolError(f"receivers must be a list of 1..{MAX_ROOM_RECEIVERS} CurveZMQ public keys "
+                            f"(40 characters of Z85)")
     items = msg.get("items")
     if not isinstance(items, list) or not 1 <= len(items) <= max_items:
         raise ProtocolError(f"items must be a list of 1..{max_items} items (max_items_per_request)")
     parsed = [_parse_item(i, it) for i, it in enumerate(items)]
-    return EncodeRequest(rid, room, parsed, deadline, salt or "")
+    return EncodeRequest(rid, room, parsed, deadline, salt or "", tuple(dict.fromkeys(receivers or ())))
 
 
 def _parse_item(i: int, it) -> EncodeItem:
@@ -225,6 +233,12 @@ class KeyedFrame:
         return len(self.data)
 
 
+def key_tag(key: str) -> int:
+    """A CurveZMQ public key (Z85) as the room table keeps it: a non-zero 64-bit hash; 0
+    for no key (no CURVE). Admitted keys are the operator's: none is made to collide."""
+    return (xxhash.xxh3_64_intdigest(key.encode()) or 1) if key else 0
+
+
 @dataclass
 class Register:
     receiver: str
@@ -275,6 +289,9 @@ class Alloc:
     # register it when it is not registered (or registered with others).
     session: str | None = None
     status: str | None = None
+    # Not on the wire: the CurveZMQ public key the alloc came under ('' without CURVE), set
+    # by the worker; a held alloc keeps it, for the room's keys to be checked when it opens.
+    key: str = ""
 
 
 @dataclass

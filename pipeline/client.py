@@ -88,9 +88,11 @@ class Client:
         return name
 
     def message(self, room: int, request_id: str, items: list[Item], *, deadline_ms: int | None = None,
-                inline: bool = False, cache_salt: str | None = None) -> dict:
+                inline: bool = False, cache_salt: str | None = None, receivers=None) -> dict:
         """The `encode` message; `cache_salt` (protocol 1.1, at most 128 characters): items
-        of requests with other salts never share a cache entry or an encode with these."""
+        of requests with other salts never share a cache entry or an encode with these;
+        `receivers` (1.2, under CurveZMQ): the public keys (Z85, as `curve.load_public`
+        gives them) of the receivers the room belongs to besides this gateway's."""
         inline = inline or self.shm_prefix is None
         msg_items = []
         published = []
@@ -121,12 +123,14 @@ class Client:
             msg["deadline_ms"] = deadline_ms
         if cache_salt is not None:
             msg["cache_salt"] = cache_salt
+        if receivers is not None:
+            msg["receivers"] = [k.decode() if isinstance(k, bytes) else k for k in receivers]
         return msg
 
     def encode(self, room: int, request_id: str, items: list[Item], *, deadline_ms: int | None = None,
-               inline: bool = False, cache_salt: str | None = None) -> None:
+               inline: bool = False, cache_salt: str | None = None, receivers=None) -> None:
         self.send(self.message(room, request_id, items, deadline_ms=deadline_ms, inline=inline,
-                               cache_salt=cache_salt))
+                               cache_salt=cache_salt, receivers=receivers))
 
     def send(self, msg: dict) -> None:
         self.sock.send(wire.encode(msg))
@@ -215,11 +219,11 @@ class RoutedClient:
         return self.ring.route(routing_key(items))
 
     def encode(self, room: int, request_id: str, items: list[Item], *, deadline_ms: int | None = None,
-               inline: bool = False, cache_salt: str | None = None) -> str:
+               inline: bool = False, cache_salt: str | None = None, receivers=None) -> str:
         """Send the room to its worker; returns that worker's bootstrap endpoint."""
         bootstrap = self.route(items)
         self.clients[bootstrap].encode(room, request_id, items, deadline_ms=deadline_ms, inline=inline,
-                                       cache_salt=cache_salt)
+                                       cache_salt=cache_salt, receivers=receivers)
         self.rooms[room] = bootstrap
         return bootstrap
 

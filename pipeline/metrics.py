@@ -76,6 +76,8 @@ def totals_of(stats: dict) -> Totals:
         c[("epd_requests_total", (outcome, reason))] = n
     for (outcome, reason), n in stats.get("rooms_concluded", {}).items():
         c[("epd_rooms_total", (outcome, reason))] = n
+    for kind, n in stats.get("sender_refused", {}).items():
+        c[("epd_refused_total", (kind,))] = n
     for outcome, n in stats.get("cache_items", {}).items():
         c[("epd_items_total", (outcome,))] = n
     for what in ("gets", "puts"):
@@ -155,6 +157,9 @@ _COUNTERS = [
      "and reason class", ("outcome", "reason"), [("accepted", "none")]),
     ("epd_rooms_total", "Rooms concluded, by outcome (success, failed) and failure reason class",
      ("outcome", "reason"), [("success", "none")]),
+    ("epd_refused_total", "Bootstrap messages refused under CurveZMQ because the room they name is not their "
+     "key's (answered as a room never seen), by message: alloc, cancel, query",
+     ("message",), [("alloc",), ("cancel",), ("query",)]),
     ("epd_items_total", "Items by cache outcome: hit_arena, hit_host (promoted), miss (encoded), "
      "inflight_duplicate (waited for an identical item being encoded)",
      ("cache",), [("hit_arena",), ("hit_host",), ("miss",), ("inflight_duplicate",)]),

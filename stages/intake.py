@@ -33,6 +33,7 @@ class Request(NamedTuple):
     room: int
     rid: str
     arrival: float
+    keys: tuple[int, ...]  # the room's key tags (ipc/rooms.py): none without CURVE
 
 
 class IntakeStage(Stage):
@@ -106,9 +107,10 @@ class IntakeStage(Stage):
         self.refusing = reason
 
     def handle(self, source: str, frame) -> None:
-        if isinstance(frame, wire.KeyedFrame):  # CurveZMQ admitted the gateway: its key binds nothing here
-            frame = frame.data
-        self._handle(frame, time.monotonic())
+        key = ""
+        if isinstance(frame, wire.KeyedFrame):  # CurveZMQ admitted the gateway: its rooms are its key's
+            frame, key = frame.data, frame.key
+        self._handle(frame, time.monotonic(), key)
 
     def tick(self, now: float) -> None:
         if self.stalled is None:
@@ -117,7 +119,7 @@ class IntakeStage(Stage):
         if self.refusing:
             # The drain's end: the request it waited with fails as every later one does.
             segments.close(segments.take(self.prefix, wire.shm_names(request.msg)))
-            self._fail_new_room(request.room, request.rid, self.refusing, ReasonCode.SHUTDOWN)
+            self._fail_new_room(request.room, request.rid, self.refusing, ReasonCode.SHUTDOWN, request.keys[:1])
             self._journal_done()
         else:
             self._try_open(request)
@@ -131,8 +133,8 @@ class IntakeStage(Stage):
                 "requests": dict(self.requests), "cache_key_id": self.content_key_id}
 
     # ------------------------------------------------------------ one frame
-    def _handle(self, frame: bytes, arrival: float) -> None:
-        request = self._take_frame(frame, arrival)
+    def _handle(self, frame: bytes, arrival: float, key: str = "") -> None:
+        request = self._take_frame(frame, arrival, key)
         if request is None:
             self._journal_done()
         else:
@@ -149,7 +151,7 @@ class IntakeStage(Stage):
         if self.journal is not None:
             self.journal.record(None, [])
 
-    def _take_frame(self, frame: bytes, arrival: float) -> Request | None:
+    def _take_frame(self, frame: bytes, arrival: float, key: str) -> Request | None:
         """The frame's request, checked; None if the frame was dropped or its room failed."""
         try:
             msg = wire.decode(frame)
@@ -172,17 +174,21 @@ class IntakeStage(Stage):
             return None
         rid = msg.get("request_id") if isinstance(msg.get("request_id"), str) else ""
         rid = rid[: wire.MAX_REQUEST_ID]
+        # A failed room is its gateway's alone: the receivers it names may not be readable.
+        gateway = (wire.key_tag(key),) if key else ()
         refused = wire.refusal_reason(self.content_key, msg) if msg.get("type") == wire.REFUSED else None
         if refused is not None:  # a front of this worker refused the room: its reason
-            self._fail_new_room(room, rid, refused, ReasonCode.BAD_REQUEST)
+            self._fail_new_room(room, rid, refused, ReasonCode.BAD_REQUEST, gateway)
             return None
         try:
             req, spans = self._check(msg, arrival)
         except ProtocolError as e:
             segments.close(segments.take(self.prefix, wire.shm_names(msg)))
-            self._fail_new_room(room, rid, str(e))
+            self._fail_new_room(room, rid, str(e), "", gateway)
             return None
-        return Request(msg, req, spans, room, rid, arrival)
+        # Without CURVE nothing is anyone's: the receivers it names are not looked at.
+        return Request(msg, req, spans, room, rid, arrival,
+                       gateway + tuple(map(wire.key_tag, req.receivers)) if gateway else ())
 
     def _check(self, msg: dict, arrival: float) -> tuple[wire.EncodeRequest, list[int]]:
         """The request and each item's span; ProtocolError if this worker will not take it."""
@@ -214,7 +220,7 @@ class IntakeStage(Stage):
         return req, spans
 
     def _open_room(self, msg: dict, req: wire.EncodeRequest, spans: list[int], room: int, rid: str,
-                   arrival: float) -> bool:
+                   arrival: float, keys: tuple[int, ...]) -> bool:
         """Opens the room, or fails it; False: the pixel arena has no room for it now."""
         # Space first: a full arena stalls the request with its segments untouched.
         leases = self._alloc_pixels(req)
@@ -224,12 +230,12 @@ class IntakeStage(Stage):
         try:
             hashes = self._read_pixels(msg, req, leases)
             slot = self.rooms.insert(room, req.request_id, len(req.items), 1 << OWNER_INTAKE,
-                                     deadline=deadline, state=RoomState.BOOTSTRAPPING)
+                                     deadline=deadline, state=RoomState.BOOTSTRAPPING, keys=keys)
         except (ProtocolError, TableFull, ValueError) as e:
             # Until the room is in the table the pixels are nobody's but ours.
             self._give_back(leases)
             if isinstance(e, ProtocolError):
-                self._fail_new_room(room, rid, str(e))
+                self._fail_new_room(room, rid, str(e), "", keys[:1])
             else:
                 self._not_inserted(room, rid, e)
             return True
@@ -295,10 +301,11 @@ class IntakeStage(Stage):
         return None if hasher is None else hasher.digest()
 
     # ------------------------------------------------------------ a frame that opens no room
-    def _fail_new_room(self, room: int, rid: str, reason: str, code: ReasonCode | str = "") -> None:
+    def _fail_new_room(self, room: int, rid: str, reason: str, code: ReasonCode | str = "",
+                       keys: tuple[int, ...] = ()) -> None:
         """`code` "": a protocol error, classed by its text (wire.ProtocolError carries none)."""
         try:
-            slot = self.rooms.insert(room, rid or "?", 0, 1 << OWNER_INTAKE)
+            slot = self.rooms.insert(room, rid or "?", 0, 1 << OWNER_INTAKE, keys=keys)
         except (TableFull, ValueError) as e:
             self._not_inserted(room, rid, e)
             return

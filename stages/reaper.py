@@ -31,6 +31,7 @@ from ipc.stats import Histogram, ReasonCode, reason_class
 from ipc.wire import Register
 from stages import registry
 from stages.base import Stage
+from stages.ownership import may_hear
 from stages.records import (OWNER_REAPER, AllocSeen, Fence, Fenced, IntakeRestarted, ItemDone, LateAlloc,
                             Queried, Registered, RoomAbandoned, RoomFailure, RoomOpened, RoomsLost, RoomSucceeded,
                             ShardWritten, UnknownRoom)
@@ -44,6 +45,7 @@ RESTART_MARGIN_S = 5.0  # besides heartbeat_timeout_s: a dead or hung stage foun
 # carry before their `failed` goes anyway: Mooncake's own bound on a write that makes no
 # progress (MC_TCP_PROGRESS_TIMEOUT_SEC, its default), which a live sender would have met.
 LATE_BYTES_BOUND_S = 30.0
+MAX_REFUSED_TOLD = 65536  # (room, receiver) pairs told of a refusal, remembered as boundedly as tombstones
 DRAIN_POLL_S = 0.05
 
 
@@ -79,6 +81,7 @@ class ReaperStage(Stage):
         # Rooms failed while the room table was full ("worker busy: ..."): what their allocs
         # hear, as long as their tombstone lasts (it bounds this too).
         self.untabled: dict[int, str] = {}
+        self.refused_told: OrderedDict[tuple[int, str], None] = OrderedDict()  # (room, receiver): _refused
         self.deadlines: list[tuple[float, int, int]] = []  # a heap of (deadline, slot, room)
         self._prune_at = 64
         self.tombstones: OrderedDict[int, tuple[float, int]] = OrderedDict()  # room -> (concluded, slot)
@@ -154,8 +157,10 @@ class ReaperStage(Stage):
                 self._fenced(room, receivers)
             case LateAlloc(room=room, receiver=receiver):
                 self._alloc_after_all(room, receiver, "unknown room", dropped=False)
-            case UnknownRoom(room=room, receiver=receiver, reason=reason):
+            case UnknownRoom(room=room, receiver=receiver, reason=reason, refused=""):
                 self._alloc_after_all(room, receiver, reason, dropped=True)
+            case UnknownRoom(room=room, receiver=receiver, reason=reason, refused=kind):
+                self._refused(room, receiver, reason, kind)
             case Queried(room=room, receiver=receiver, pending=pending):
                 self._on_query(room, receiver, pending)
             case _:
@@ -338,6 +343,19 @@ class ReaperStage(Stage):
             self.query_answers["late"] += 1
             self._alloc_after_all(room, receiver, "unknown room", dropped=False)
 
+    def _refused(self, room: int, receiver: str, reason: str, kind: str) -> None:
+        """A message the room is not its key's (stages/ownership.py): told what a room never
+        seen would tell it, once, and a query's repeat after that; nothing of the room."""
+        if receiver not in self.registrations:
+            return
+        if (room, receiver) not in self.refused_told:
+            self.refused_told[(room, receiver)] = None
+            if len(self.refused_told) > MAX_REFUSED_TOLD:
+                self.refused_told.popitem(last=False)
+            self.pusher.send(receiver, wire.status_message(room, None, False, reason))
+        elif kind == "query":
+            self.pusher.send(receiver, wire.status_message(room, None, False, "room failed", repeat=True))
+
     def _fenced(self, room: int, receivers) -> None:
         if room in self.draining:  # the fence a successor answers: bytes of its predecessor may still land
             self.draining[room][1].update(receivers)
@@ -368,8 +386,8 @@ class ReaperStage(Stage):
             # Allocs a dead sender had received were never acknowledged, and a room the
             # watchdog fails lost a record somewhere: who allocated is not known for sure,
             # so every registered receiver hears (and ignores a room it never allocated
-            # for), so that none waits forever.
-            to |= set(self.registrations)
+            # for), so that none waits forever; under CURVE, only those of the room's keys.
+            to |= {r for r, reg in self.registrations.items() if may_hear(entry.keys, reg.key)}
         return reason, to
 
     def _allocs_maybe_lost(self, entry) -> bool:

@@ -32,7 +32,7 @@ tower replica (stages/registry.py), and a tower's records to the scheduler name 
 | ItemDone | sender | reaper | every shard of an item is written, and how many of the room's items are |
 | Fenced | sender | reaper | no write for the room is in flight or can start: tell its receivers `failed` |
 | LateAlloc | sender | reaper | an alloc for a room that is already concluded |
-| UnknownRoom | sender | reaper | an alloc for a room never seen, timed out or refused |
+| UnknownRoom | sender | reaper | an alloc for a room never seen, timed out or refused; under CurveZMQ, an alloc, cancel or query for a room not its key's, answered as for a room never seen (stages/ownership.py) |
 | Queried | sender | reaper | a receiver's `query` for a room: repeat what it was told |
 | Fence | reaper | sender | the room failed: stop its writes and answer `Fenced` |
 | RoomSucceeded | reaper | sender | the room succeeded: drop what is left of it |
@@ -193,6 +193,9 @@ class UnknownRoom:
     room: int
     receiver: str
     reason: str
+    # The kind of message ("alloc", "cancel", "query") refused because the room is not its
+    # key's (stages/ownership.py): answered as a room never seen would be, whatever the room.
+    refused: str = ""
 
 
 @dataclass(frozen=True, slots=True)

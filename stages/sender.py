@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
 
 from ipc.arena import Arena, StaleLease
 from ipc.held import HeldAllocs
@@ -23,45 +22,14 @@ from ipc.wire import Alloc, Cancel, ProtocolError, Query, Register
 from stages import registry
 from stages.alloc_checks import RowShape, alloc_problem, tiling_problem
 from stages.base import POLL_S, Stage
+from stages.ownership import RoomKeys
 from stages.records import (OWNER_SENDER, AllocSeen, Fence, Fenced, IntakeRestarted, ItemDone, LateAlloc,
                             Queried, ReadyItem, Registered, RoomFailure, RoomOpened, RoomSucceeded,
                             ShardWritten, UnknownRoom)
 from stages.registrations import Registrations, StatusRule
+from stages.room_tx import ItemTx, RoomTx, Write
 
 log = logging.getLogger("epd.sender")
-
-
-@dataclass
-class _Write:
-    item: int
-    receiver: str
-    pending: object  # transport Pending
-    started: float   # time.monotonic() at submit
-    digest: bytes    # wire.rows_digest of the bytes it writes
-
-
-@dataclass
-class _ItemTx:
-    allocs: list[Alloc] = field(default_factory=list)
-    fanout: int = 0
-    ready: ReadyItem | None = None
-    ready_at: float = 0.0
-    started: bool = False
-    writes_left: int = 0
-
-
-@dataclass
-class _RoomTx:
-    slot: int
-    spans: tuple[int, ...]
-    items: list[_ItemTx]
-    receivers: set[str] = field(default_factory=set)
-    failing: bool = False
-    writes: list[_Write] = field(default_factory=list)
-    done: int = 0  # items written to every receiver
-    # Held in custody: from the end of its RoomOpened's handling, so that a room failed
-    # while it opens is never held (its items that came early are released instead).
-    in_custody: bool = False
 
 
 MAX_FENCED_UNOPENED = 65536  # a RoomOpened trails its fence by a ring's length at most
@@ -95,7 +63,8 @@ class SenderStage(Stage):
         self.engaged = Counter()  # receiver -> its rooms in flight here and allocs held
         self.receivers = Registrations(registrations, self.engaged, idle_s=registration_idle_s,
                                        max_per_key=max_receivers_per_key, status_rule=status_rule)
-        self.live: dict[int, _RoomTx] = {}
+        self.keys = RoomKeys(rooms, self.emit, bootstrap_timeout_s, max_held_allocs)  # whose rooms are whose
+        self.live: dict[int, RoomTx] = {}
         # Allocs for rooms not opened here yet: (since, alloc, slot in the shared held table).
         self.held_table = held
         self.held: dict[int, list[tuple[float, Alloc, int]]] = {}
@@ -154,6 +123,7 @@ class SenderStage(Stage):
             self._timeouts_at = now
             self._timeouts(now)
             self.receivers.expire(now)
+            self.keys.expire(now)
 
     def next_tick_in(self, now: float) -> float | None:
         # Writes complete in Mooncake's threads: poll them, yielding the core meanwhile.
@@ -162,7 +132,8 @@ class SenderStage(Stage):
         return POLL_S if self.writing or self.early else None
 
     def stats(self) -> dict:
-        return {"sender_dropped": dict(self.dropped), "bytes_written": self.bytes_written,
+        return {"sender_dropped": dict(self.dropped), "sender_refused": dict(self.keys.refused),
+                "bytes_written": self.bytes_written,
                 "sender_live_rooms": len(self.live), "sender_held_allocs": self.n_held,
                 "sender_early_items": sum(len(v) for v in self.early.values()),
                 "receivers_registered": len(self.receivers), "receivers_expired": self.receivers.expired,
@@ -199,6 +170,8 @@ class SenderStage(Stage):
             self._drop(f"{type(m).__name__.lower()} from unregistered receiver")
             return
         self.receivers.heard(m.receiver, now)
+        if key and self._refused(m, key, now):
+            return
         if isinstance(m, Cancel):
             self._on_cancel(m)
         elif isinstance(m, Query):  # pending: its status is still to come, never "unknown room"
@@ -210,6 +183,31 @@ class SenderStage(Stage):
             m.session_hash = (reg.session_hash if m.incarnation is None or reg.incarnation is None
                               else wire.binding_hash(reg.session, m.incarnation))
             self._on_alloc(m, now)
+
+    def _refused(self, m: Alloc | Cancel | Query, key: str, now: float) -> bool:
+        """Under CURVE: True if `m` was answered as naming a room never seen, because the
+        room is not its key's, or because it is not in the table yet and a cancel or query
+        must not tell whose allocs are held for it (stages/ownership.py)."""
+        if isinstance(m, Alloc):
+            m.key = key  # kept while it is held: the room's keys are checked when it opens
+        verdict = self.keys.verdict(m.room, key, claim=isinstance(m, Alloc))
+        if verdict is False:
+            self.keys.refuse(m, now, self.n_held)
+        elif verdict is None and not isinstance(m, Alloc):
+            held = self.held.get(m.room, [])
+            mine = [h for h in held if h[1].receiver == m.receiver]
+            if isinstance(m, Query):  # answered without a look at the room, which may open meanwhile
+                if not (mine or self.keys.waits(m.room, m.receiver)):
+                    self.emit(registry.REAPER, UnknownRoom(m.room, m.receiver, "unknown room", "query"))
+            elif self.keys.forget(m.room, m.receiver) or mine:  # it gives up its own allocs, not the room
+                self.held[m.room] = [h for h in held if h not in mine]
+                if not self.held[m.room]:
+                    del self.held[m.room]
+                self._unheld(mine)
+                self.emit(registry.REAPER, UnknownRoom(m.room, m.receiver, "canceled", "cancel"))
+            else:
+                self._drop("cancel of a room this worker does not hold")
+        return verdict is False or (verdict is None and not isinstance(m, Alloc))
 
     def _on_register(self, m: Register, now: float) -> None:
         problem = self.receivers.add(m, now)
@@ -237,13 +235,13 @@ class SenderStage(Stage):
                 self.emit(registry.REAPER, LateAlloc(room, a.receiver))
             self._release_early(room)
             return
-        tx = self.live[room] = _RoomTx(opened.slot, tuple(opened.spans), [_ItemTx() for _ in opened.spans])
+        tx = self.live[room] = RoomTx(opened.slot, tuple(opened.spans), [ItemTx() for _ in opened.spans])
         # Taken off the list first: a bad one fails and fences the room, and the next ones
         # then meet no live room (they are answered, not held again onto the very list
         # being read, which went round until the held table was full). Out of the shared
         # table only once handled: a sender killed meanwhile leaves them to its successor.
         held = self.held.pop(room, [])
-        for arrival, a, _ in held:
+        for arrival, a, _ in self.keys.sort_held(room, held):
             self._on_alloc(a, arrival)
         self._unheld(held)
         early = self.early.pop(room, [])
@@ -319,9 +317,12 @@ class SenderStage(Stage):
         entry = self.rooms.get(slot) if slot is not None else None
         if (entry is not None and entry.state in (RoomState.SUCCESS, RoomState.FAILED)
                 or self._fenced_unopened(a.room, entry, pop=False)):
-            self.emit(registry.REAPER, LateAlloc(a.room, a.receiver))
+            if a.key and not self.keys.verdict(a.room, a.key, claim=False):  # opened since it was checked
+                self.keys.refuse(a, arrival, self.n_held)
+            else:
+                self.emit(registry.REAPER, LateAlloc(a.room, a.receiver))
             return
-        slot = self.held_table.put(arrival, a) if self.n_held < self.max_held_allocs else None
+        slot = self.held_table.put(arrival, a) if self.n_held + self.keys.n_waiting < self.max_held_allocs else None
         if slot is None:
             self._drop("alloc for an unknown room: too many held (max_held_allocs)")
             self.emit(registry.REAPER, UnknownRoom(a.room, a.receiver,
@@ -333,7 +334,7 @@ class SenderStage(Stage):
         self.engaged[a.receiver] += 1
 
     # ------------------------------------------------------------ writes
-    def _maybe_start(self, room: int, tx: _RoomTx, item: int) -> None:
+    def _maybe_start(self, room: int, tx: RoomTx, item: int) -> None:
         it = tx.items[item]
         if it.started or it.ready is None or not it.fanout or len(it.allocs) < it.fanout:
             return
@@ -359,7 +360,7 @@ class SenderStage(Stage):
         if not it.writes_left:
             self._item_done(room, tx, item)
 
-    def _write_shard(self, room: int, tx: _RoomTx, item: int, a: Alloc, rows: memoryview) -> bool:
+    def _write_shard(self, room: int, tx: RoomTx, item: int, a: Alloc, rows: memoryview) -> bool:
         """Start the write of one alloc's rows (`rows`: the item's lease); False if the room failed."""
         main_row = self.shape.hidden * self.itemsize
         ds_row = self.shape.deepstack_width * self.itemsize
@@ -379,7 +380,7 @@ class SenderStage(Stage):
             self.transfer_failures += 1
             self._fail(room, tx, f"transfer to receiver {a.receiver} could not start: {e}", ReasonCode.TRANSFER_ERROR)
             return False
-        tx.writes.append(_Write(item, a.receiver, pending, time.monotonic(), digest))
+        tx.writes.append(Write(item, a.receiver, pending, time.monotonic(), digest))
         self.writing.add(room)
         tx.items[item].writes_left += 1
         self.bytes_written += sum(n for _, n in halves)
@@ -391,14 +392,14 @@ class SenderStage(Stage):
         fenced_at = self.fenced_unopened.pop(room, None) if pop else self.fenced_unopened.get(room)
         return fenced_at is not None and entry is not None and entry.created <= fenced_at
 
-    def _item_done(self, room: int, tx: _RoomTx, item: int) -> None:
+    def _item_done(self, room: int, tx: RoomTx, item: int) -> None:
         it = tx.items[item]
         self._release(it.ready)
         it.ready = None
         tx.done += 1
         self.emit(registry.REAPER, ItemDone(tx.slot, room, item, tx.done))
 
-    def _poll_room(self, room: int, tx: _RoomTx) -> None:
+    def _poll_room(self, room: int, tx: RoomTx) -> None:
         still = []
         for w in tx.writes:
             ok = w.pending.poll()
@@ -476,7 +477,7 @@ class SenderStage(Stage):
                 del self.held[room]
 
     # ------------------------------------------------------------ failing
-    def _fail(self, room: int, tx: _RoomTx, reason: str, code: ReasonCode) -> None:
+    def _fail(self, room: int, tx: RoomTx, reason: str, code: ReasonCode) -> None:
         if not tx.failing:
             self.emit(registry.REAPER, RoomFailure(tx.slot, room, reason, code))
             self._fence(room)
@@ -514,7 +515,7 @@ class SenderStage(Stage):
         if len(self.fenced_unopened) > MAX_FENCED_UNOPENED:
             self.fenced_unopened.popitem(last=False)
 
-    def _conclude_fence(self, room: int, tx: _RoomTx) -> None:
+    def _conclude_fence(self, room: int, tx: RoomTx) -> None:
         self.emit(registry.REAPER, Fenced(room, tuple(sorted(tx.receivers))))
         del self.live[room]
         for receiver in tx.receivers:
@@ -547,8 +548,11 @@ class SenderStage(Stage):
             self._drop("cancel of a room this worker does not hold")
 
     def _unhold(self, room: int) -> list[Alloc]:
-        """The allocs held for `room`, no longer held."""
-        return self._unheld(self.held.pop(room, []))
+        """The allocs held for `room` whose keys it allows (the others wait as refused), no longer held."""
+        held = self.held.pop(room, [])
+        allowed = self.keys.sort_held(room, held)
+        self._unheld(held)
+        return [a for _, a, _ in allowed]
 
     def _unheld(self, held: list) -> list[Alloc]:
         """`held` (taken off self.held) out of the shared table too; their allocs."""

@@ -18,7 +18,7 @@ import zmq
 import zmq.auth
 
 from ipc import wire
-from pipeline import cli, curve
+from pipeline import cli, curve, metrics
 from pipeline.client import Client, Item
 from pipeline.receiver import Receiver
 from tests.helpers import expected_sim_rows, free_port, image, sim_config, start_worker
@@ -340,3 +340,117 @@ def test_certificate_files_are_checked_where_they_are_given(certs, tmp_path):
     with pytest.raises(ValueError, match="holds no public CurveZMQ certificate"):
         curve.load_allowed(str(tmp_path))
     assert len(curve.load_allowed(certs["clients"])) == 3
+
+
+# ---------------------------------------------------------------- rooms belong to keys (#32)
+
+def heard(rx: Receiver, rooms, timeout: float = 30.0) -> dict:
+    """room -> the reason of the `failed` status `rx` heard for it, allocated there or not
+    (a query of a room it never allocated for is kept aside as `early_failed`)."""
+    end = time.monotonic() + timeout
+    while True:
+        rx.poll(0.05)
+        got = {r: rx.failed.get(r) or (rx.early_failed.get(r) or {}).get("reason") for r in rooms}
+        if all(got.values()) or time.monotonic() > end:
+            return got
+
+
+def test_a_room_is_its_gateways_and_the_receivers_it_names(curved, certs):
+    """Another admitted key cannot alloc into a room (named receivers, protocol 1.2, or a
+    room claimed by its first alloc), cancel it, nor query it: each is refused, counted,
+    and answered exactly as a room the worker never saw ("unknown room"); the room's own
+    receiver is served its rows. (Before: the thief's alloc took the rows and the rightful
+    receiver heard "room already concluded"; its cancel failed the room; its query told
+    why another tenant's room failed.)"""
+    w = curved(bootstrap_timeout_s=2.0)
+    made = curved.made
+    client = Client(w.cfg.intake, None, **peer(certs, "gateway"))
+    rx = Receiver("rx", w.cfg.bootstrap, buffer_bytes=4 << 20, **peer(certs, "rx"))
+    thief = Receiver("thief", w.cfg.bootstrap, buffer_bytes=4 << 20, **peer(certs, "other"))
+    made += [client, rx, thief]
+    rx_key = curve.load_public(certs["rx"]).decode()  # protocol 1.2: the room is this receiver's
+    named, claimed, canceled, failed, never, never_q = (next(_rooms) for _ in range(6))
+    items = {room: Item("image", *image(room % 7)) for room in (named, claimed, canceled)}
+
+    # Named: the thief allocs first, for the whole item; then the room's receiver.
+    client.send({**client.message(named, "named", [items[named]], inline=True), "receivers": [rx_key]})
+    thief.alloc(named, 0, **SPAN4)
+    thief.alloc(never, 0, **SPAN4)  # a room nobody opened: what a refused alloc must look like
+    wait_for(lambda: w.stats().get("sender_refused", {}).get("alloc") == 1 or thief.poll(0.05) or named in thief.failed
+             or (named, 0) in thief.success, what="the thief's alloc was neither refused nor served")
+    # Claimed: the receiver's alloc claims it; the thief's, once the room succeeded, is refused.
+    client.encode(claimed, "claimed", [items[claimed]], inline=True)
+    rx.alloc(claimed, 0, **SPAN4)
+    assert rx.wait({claimed: 1}, 60)
+    thief.alloc(claimed, 0, **SPAN4)
+    # Cancel: the thief cancels a room named for rx before rx allocs.
+    client.send({**client.message(canceled, "canceled", [items[canceled]], inline=True), "receivers": [rx_key]})
+    wait_for(lambda: room_entry(w, canceled) is not None, what="the room was not opened")  # else: an unknown room's
+    thief.cancel(canceled)
+    wait_for(lambda: w.stats().get("sender_refused", {}).get("cancel") == 1
+             or getattr(room_entry(w, canceled), "reason", "") == "canceled",
+             what="the thief's cancel was neither refused nor obeyed")
+    rx.alloc(named, 0, **SPAN4)
+    rx.alloc(canceled, 0, **SPAN4)
+    assert rx.wait({named: 1, canceled: 1}, 60)
+    for room in (named, claimed, canceled):
+        assert room not in rx.failed, (room, rx.failed[room])
+        main, deep = expected_sim_rows(items[room].pixels, "image", 4, 64, 32, "bfloat16")
+        got_main, got_deep = rx.rows(room, 0)
+        assert np.array_equal(got_main, main) and np.array_equal(got_deep, deep), room
+        rx.release(room)
+
+    # Query: a room that failed at intake (its reason is its tenant's), and one never seen.
+    client.send({"v": 1, "type": "encode", "request_id": "secret reason", "room": failed, "items": []})
+    wait_for(lambda: room_entry(w, failed) is not None, what="the bad request was not recorded")
+    thief.query(failed)
+    thief.query(never_q)
+    got = heard(thief, [named, never, claimed, failed, never_q], 60)
+    assert got == {named: "unknown room", never: "unknown room", claimed: "unknown room",
+                   failed: "unknown room", never_q: "unknown room"}, got
+    assert not any(thief.success), thief.success
+    refused = lambda: w.stats().get("sender_refused")  # noqa: E731 (the pipeline's stats come a little later)
+    wait_for(lambda: refused() == {"alloc": 2, "cancel": 1, "query": 1}, what=f"refusals counted: {refused()}")
+    counters = metrics.totals_of(w.stats()).counters
+    assert [counters[("epd_refused_total", (k,))] for k in ("alloc", "cancel", "query")] == [2, 1, 1]
+
+
+def room_entry(w, room: int):
+    rooms = w.runtime.rooms
+    slot = rooms.find(room)
+    return None if slot is None else rooms.get(slot)
+
+
+def test_an_alloc_held_across_a_sender_restart_keeps_its_key(shm_prefix, tmp_path, certs):
+    """An alloc for a room not yet opened is held in shared memory with the key it came
+    under: the sender that succeeds a SIGKILLed one checks it against the room's keys when
+    the room opens, and the thief still gets no row. (A held alloc without its key would
+    pass as no-CURVE's, anyone's.)"""
+    w = start_worker("pipeline", sim_config(shm_prefix, tmp_path, curve_cert=certs["worker"],
+                                            curve_clients=certs["clients"], bootstrap_timeout_s=30.0))
+    made = [w]
+    try:
+        client = Client(w.cfg.intake, None, **peer(certs, "gateway"))
+        rx = Receiver("rx", w.cfg.bootstrap, buffer_bytes=4 << 20, **peer(certs, "rx"))
+        thief = Receiver("thief", w.cfg.bootstrap, buffer_bytes=4 << 20, **peer(certs, "other"))
+        made += [client, rx, thief]
+        room = next(_rooms)
+        thief.alloc(room, 0, **SPAN4)
+        wait_for(lambda: w.stats().get("sender_held_allocs") == 1, what="the thief's alloc was not held")
+        os.kill(w.runtime.procs["sender"].pid, signal.SIGKILL)
+        wait_for(lambda: w.runtime.restart_counts["sender"] >= 1, 60, "the sender was not restarted")
+        it = Item("image", *image(5))
+        key = curve.load_public(certs["rx"]).decode()
+        client.send({**client.message(room, "after", [it], inline=True), "receivers": [key]})
+        written = lambda: thief.poll(0.05) is not None and (room, 0) in thief.success  # noqa: E731
+        wait_for(lambda: w.stats().get("sender_refused", {}).get("alloc") == 1 or written(), 60,
+                 "the held alloc was neither refused nor written")
+        rx.alloc(room, 0, **SPAN4)
+        assert rx.wait({room: 1}, 60) and room not in rx.failed, rx.failed.get(room)
+        main, deep = expected_sim_rows(it.pixels, "image", 4, 64, 32, "bfloat16")
+        got_main, got_deep = rx.rows(room, 0)
+        assert np.array_equal(got_main, main) and np.array_equal(got_deep, deep)
+        assert not thief.success, thief.success
+    finally:
+        for obj in reversed(made):
+            obj.close()

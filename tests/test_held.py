@@ -35,6 +35,24 @@ def test_what_is_held_is_found_again_and_removed_allocs_are_not(shm_prefix):
         t.unlink()
 
 
+def test_the_key_an_alloc_came_under_is_held_with_it(shm_prefix):
+    """(#32) Under CurveZMQ the room's keys are checked when it opens: a successor that
+    finds the alloc held must find its key too, beside the longest receiver id."""
+    run_id = shm.new_run_id()
+    t = HeldAllocs.create(shm_prefix, run_id, "held", 2)
+    try:
+        keyed = alloc(300, "\U0001F600" * 256)
+        keyed.key = "x" * 40
+        keyed.incarnation = keyed.session_hash = 2**64 - 1
+        assert t.put(30.0, keyed) is not None
+        successor = HeldAllocs.attach(shm_prefix, run_id, "held")
+        assert [a for _, _, a in successor.load()] == [keyed]
+        successor.close()
+    finally:
+        t.close()
+        t.unlink()
+
+
 def _hold_forever(prefix: str, run_id: str) -> None:
     t = HeldAllocs.attach(prefix, run_id, "held")
     t.load()

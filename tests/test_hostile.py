@@ -365,6 +365,16 @@ INTAKE_CASES = [
     ("cache_salt as a list", ("fail", "cache_salt must be a string"), lambda c, r: c.msg(r, cache_salt=["a"])),
     ("cache_salt at its longest", ("ok", None), lambda c, r: c.ok(r, 15, cache_salt="é" * 128)),
     ("cache_salt nil", ("ok", None), lambda c, r: c.ok(r, 16, cache_salt=None)),
+    # (1.2) The receivers a room belongs to under CurveZMQ: checked for form, and without
+    # CURVE (this corpus) otherwise ignored.
+    ("receivers not a list", ("fail", "receivers must be a list of 1..7"), lambda c, r: c.msg(r, receivers="0" * 40)),
+    ("receivers empty", ("fail", "receivers must be a list of 1..7"), lambda c, r: c.msg(r, receivers=[])),
+    ("eight receivers", ("fail", "receivers must be a list of 1..7"), lambda c, r: c.msg(r, receivers=["0" * 40] * 8)),
+    ("receiver key short", ("fail", "receivers must be a list of 1..7"), lambda c, r: c.msg(r, receivers=["0" * 39])),
+    ("receiver key not Z85", ("fail", "receivers must be a list of 1..7"), lambda c, r: c.msg(r, receivers=["~" * 40])),
+    ("receiver key as bytes", ("fail", "receivers must be a list of 1..7"), lambda c, r: c.msg(r, receivers=[b"0" * 40])),
+    ("receivers without CURVE", ("ok", None), lambda c, r: c.ok(r, 17, receivers=["0" * 40, "rx" * 20])),
+    ("receivers nil", ("ok", None), lambda c, r: c.ok(r, 18, receivers=None)),
     ("deadline float", ("fail", "deadline_ms"), lambda c, r: c.msg(r, deadline_ms=1.5)),
     ("shm name not a string", ("fail", "pixels.shm must be a string"), lambda c, r: c.msg(r, items=[c.seg_item(7)])),
     ("segment outside the prefix", ("fail", "outside the worker's shm prefix"),
@@ -1305,6 +1315,155 @@ def test_bootstrap_corpus_under_curve(mode, shm_prefix, tmp_path, certs):
         r.check_healthy()
         assert w.stats()["receivers_registered"] == 1
         r.assert_alive()
+    finally:
+        for obj in reversed(made):
+            obj.close()
+
+
+# ================================================================ rooms of other keys under CurveZMQ (#32)
+
+class RoomsCtx:
+    """An owner's rooms (gateway 'gateway', receiver 'rx') and a thief under another
+    admitted key ('other'): a `Receiver` for its memory and status socket, and a raw
+    socket under the same key for what the library would not send."""
+
+    def __init__(self, w, client: Client, rx: Receiver, rx_key: str, thief: Receiver, raw):
+        self.w, self.client, self.rx, self.rx_key, self.thief, self.raw = w, client, rx, rx_key, thief, raw
+        self.items: dict[int, list[Item]] = {}  # the owner's rooms: served bit for bit
+        self.owned: set[tuple[int, int]] = set()  # (room, item) the owner allocated already
+        self._next = 0
+
+    def entry(self, room: int):
+        rooms = self.w.runtime.rooms
+        slot = rooms.find(room)
+        return None if slot is None else rooms.get(slot)
+
+    def wait_for(self, cond, what: str, timeout: float = 60) -> None:
+        end = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < end, what
+            time.sleep(0.02)
+
+    def open(self, room: int, named: bool = True, n_items: int = 1) -> None:
+        """The owner's room, in the table before anything else is sent (so that what the
+        thief sends meets a room the worker holds, and each refusal is counted)."""
+        items = [Item("image", *image((room + i) % 97)) for i in range(n_items)]
+        msg = self.client.message(room, f"owned-{room}", items, inline=True)
+        self.client.send({**msg, "receivers": [self.rx_key]} if named else msg)
+        self.items[room] = items
+        self.wait_for(lambda: self.entry(room) is not None, f"room {room} was not opened")
+
+    def own(self, room: int, item: int = 0) -> None:
+        """The owner's alloc, written before anything else is sent (the first claims a room
+        that names no receiver)."""
+        self.rx.alloc(room, item, **SPAN4)
+        self.owned.add((room, item))
+        self.wait_for(lambda: self.rx.poll(0.02) is None or (room, item) in self.rx.success,
+                      f"room {room} item {item} was not written")
+
+    def alloc(self, room: int, item: int = 0, **over) -> None:
+        off, self._next = self._next, self._next + 4096
+        self.send({"type": "alloc", "room": room, "item": item, "dst": self.thief.address + off,
+                   "dst_deepstack": self.thief.address + off + 1024, "row_start": 0, "n_rows": 4,
+                   "fanout": 1, **SPAN4, **over})
+
+    def cancel(self, room: int) -> None:
+        self.send({"type": "cancel", "room": room})
+
+    def query(self, room: int) -> None:
+        self.send({"type": "query", "room": room})
+
+    def send(self, msg: dict) -> None:
+        self.raw.send(pack({"v": 1, "receiver": "thief", **msg}))
+
+    def failed_at_intake(self, room: int) -> None:
+        self.client.send({"v": 1, "type": "encode", "request_id": "a tenant's secret", "room": room, "items": []})
+        self.wait_for(lambda: self.entry(room) is not None, f"room {room} was not failed")
+
+
+UNKNOWN = "unknown room"
+# (name, what the thief hears of the room: a failed status's reason, or None (nothing),
+#  {message kind: refusals counted}, build(ctx, room)). The last ones are a room never
+# opened: what each refusal must be indistinguishable from.
+ROOM_CASES = [
+    ("alloc into a room named for another key", UNKNOWN, {"alloc": 1},
+     lambda c, r: (c.open(r), c.alloc(r))),
+    ("alloc into a room before it opens", UNKNOWN, {"alloc": 1},
+     lambda c, r: (c.alloc(r), c.open(r))),
+    ("alloc for half of a named room's rows", UNKNOWN, {"alloc": 1},
+     lambda c, r: (c.open(r), c.alloc(r, fanout=2, n_rows=2))),
+    ("self-describing alloc into a named room", UNKNOWN, {"alloc": 1},
+     lambda c, r: (c.open(r), c.alloc(r, session=c.thief.engine.session, status=c.thief.status_endpoint,
+                                              incarnation=c.thief.incarnation))),
+    ("alloc into a room its first alloc claimed", UNKNOWN, {"alloc": 1},
+     lambda c, r: (c.open(r, named=False, n_items=2), c.own(r, 0), c.alloc(r, 1))),
+    ("cancel of a named room", None, {"cancel": 1}, lambda c, r: (c.open(r), c.cancel(r))),
+    ("cancel of a claimed room", None, {"cancel": 1},
+     lambda c, r: (c.open(r, named=False, n_items=2), c.own(r, 0), c.cancel(r))),
+    ("alloc then cancel of a named room", "canceled", {"alloc": 1, "cancel": 1},
+     lambda c, r: (c.open(r), c.alloc(r), c.cancel(r))),
+    ("query of a live named room", UNKNOWN, {"query": 1}, lambda c, r: (c.open(r), c.query(r))),
+    ("query of a room that failed at intake", UNKNOWN, {"query": 1}, lambda c, r: (c.failed_at_intake(r), c.query(r))),
+    ("alloc into a room failed at intake", UNKNOWN, {"alloc": 1},
+     lambda c, r: (c.failed_at_intake(r), c.alloc(r))),
+    ("never opened: alloc", UNKNOWN, {}, lambda c, r: c.alloc(r)),
+    ("never opened: cancel", None, {}, lambda c, r: c.cancel(r)),
+    ("never opened: alloc then cancel", "canceled", {}, lambda c, r: (c.alloc(r), c.cancel(r))),
+    ("never opened: query", UNKNOWN, {}, lambda c, r: c.query(r)),
+]
+
+
+@pytest.mark.parametrize("mode", ["inprocess", "pipeline"])
+def test_rooms_of_other_keys_under_curve(mode, shm_prefix, tmp_path, certs):
+    """Another admitted key's alloc, cancel or query for a room of the owner's keys is
+    refused and counted, and the thief hears of it exactly what it hears of a room never
+    opened; the owner's rooms are served bit for bit, none fails, no row reaches the thief."""
+    w = start_worker(mode, sim_config(shm_prefix, tmp_path, curve_cert=certs["worker"],
+                                      curve_clients=certs["clients"], bootstrap_timeout_s=2.0))
+    made = [w]
+    try:
+        client = Client(w.cfg.intake, None, **peer(certs, "gateway"))
+        rx = Receiver("rx", w.cfg.bootstrap, buffer_bytes=16 << 20, **peer(certs, "rx"))
+        thief = Receiver("thief", w.cfg.bootstrap, buffer_bytes=16 << 20, **peer(certs, "other"))
+        made += [client, rx, thief]
+        raw = zmq.Context.instance().socket(zmq.PUSH)
+        raw.setsockopt(zmq.LINGER, 0)
+        curve.connect_as(raw, *curve.peer_keys(certs["other"], certs["worker_public"]))
+        raw.connect(w.cfg.bootstrap)
+        made.append(raw)
+        c = RoomsCtx(w, client, rx, curve.load_public(certs["rx"]).decode(), thief, raw)
+        # The raw socket is another connection than the one the thief registered on.
+        c.wait_for(lambda: w.stats().get("receivers_registered") == 2, "the receivers did not register")
+        rooms, expected = {}, Counter()
+        for name, hears, refused, build in ROOM_CASES:
+            room = next(_rooms)
+            build(c, room)
+            rooms[room] = (name, hears)
+            expected.update(refused)
+        for room, items in c.items.items():  # the owner's remaining allocs
+            for i in range(len(items)):
+                if (room, i) not in c.owned:
+                    rx.alloc(room, i, **SPAN4)
+        rx.wait({room: len(items) for room, items in c.items.items()}, 60)
+        owner = {rooms[room][0]: rx.failed.get(room) or ("served" if all((room, i) in rx.success for i in range(len(items)))
+                                                          else "nothing heard") for room, items in c.items.items()}
+        assert set(owner.values()) == {"served"}, owner
+        for room, items in c.items.items():
+            for i, it in enumerate(items):
+                main, deep = expected_sim_rows(it.pixels, "image", 4, 64, 32, "bfloat16")
+                got_main, got_deep = rx.rows(room, i)
+                assert np.array_equal(got_main, main) and np.array_equal(got_deep, deep), rooms[room][0]
+        heard = lambda room: (thief.early_failed.get(room) or {}).get("reason")  # noqa: E731
+        end = time.monotonic() + 60
+        while any(heard(room) != hears for room, (_, hears) in rooms.items() if hears) and time.monotonic() < end:
+            thief.poll(0.1)
+        thief.poll(0.5)  # what else it is told, if anything
+        got = {name: heard(room) for room, (name, _) in rooms.items()}
+        assert got == {name: hears for name, hears in rooms.values()}, got
+        assert not thief.success and not thief.dropped.get("no shard"), thief.dropped
+        refused = lambda: w.stats().get("sender_refused")  # noqa: E731 (the pipeline's stats come a little later)
+        c.wait_for(lambda: refused() == dict(expected), f"refusals counted: {refused()}, expected {dict(expected)}")
+        assert not any(e.state.name == "FAILED" for room in c.items if (e := c.entry(room)) is not None)
     finally:
         for obj in reversed(made):
             obj.close()

@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
     run_state_machine_as_test
 
 from ipc import rooms as rooms_mod
-from ipc import shm
+from ipc import shm, wire
 from tests.helpers import fork_call, wait_child
 from ipc.rooms import RoomEntry, RoomState, RoomTable, TableFull
 
@@ -535,3 +535,27 @@ def test_complete_item_counts_and_concludes_in_one_update(make_table):
     failed = t.insert(10, "q10", 1, 0)
     assert t.fail(failed, 10, "gone")
     assert t.complete_item(failed, 10, 1) == (0, False) and t.get(failed).state == S.FAILED
+
+
+def test_a_room_keeps_its_keys_and_is_claimed_once_while_live(make_table):
+    """(#32) The key tags a room belongs to stay with it through every update; a room whose
+    gateway named no receiver is claimed by the first other key, once, and only while
+    live; a room that named its receivers, or has no gateway key (no CURVE), never is."""
+    t = make_table(8)
+    gw, rx, thief = 11, 22, 33
+    open_ = t.insert(1, "open", 1, 0, keys=(gw,))
+    named = t.insert(2, "named", 1, 0, keys=(gw, rx))
+    plain = t.insert(3, "plain", 1, 0)
+    assert t.get(open_).keys == (gw,) + (0,) * 7 and t.get(plain).keys == (0,) * 8
+    assert t.claim(open_, 1, rx) == (gw, rx) + (0,) * 6
+    assert t.claim(open_, 1, thief) == (gw, rx) + (0,) * 6, "claimed once"
+    assert t.claim(named, 2, thief) == (gw, rx) + (0,) * 6 and t.claim(plain, 3, thief) == (0,) * 8
+    assert t.claim(open_, 99, thief) is None, "not that slot's room"
+    late = t.insert(4, "late", 1, 0, keys=(gw,))
+    assert t.fail(late, 4, "gone") and t.claim(late, 4, thief) == (gw,) + (0,) * 7, "concluded: nobody's to claim"
+    t.advance(open_, 1, S.TRANSFERRING)
+    assert t.complete_item(open_, 1, 1) == (1, True)
+    assert t.get(open_).keys == (gw, rx) + (0,) * 6, "kept past its conclusion (a tombstone's)"
+    with pytest.raises(ValueError, match="at most 8 keys"):
+        t.insert(5, "many", 1, 0, keys=tuple(range(1, 10)))
+    assert rooms_mod.ROOM_KEYS == 1 + wire.MAX_ROOM_RECEIVERS, "a gateway's key and every receiver's it may name"
