@@ -66,6 +66,8 @@ def parse_args(argv):
     ap.add_argument("--tower-replicas", type=int, default=1,
                     help="the worker's tower_replicas (default %(default)s); tokenspeed's encode worker, which "
                          "has one tower, gets this many times the torch threads")
+    ap.add_argument("--queue-spin-s", type=float, default=0.0,
+                    help="EPDConnector's queue_spin_s (default %(default)s; -1: vLLM's own spin)")
     ap.add_argument("--tower-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="the worker's tower_dtype (default %(default)s)")
     ap.add_argument("--profile", action="store_true",
@@ -73,6 +75,7 @@ def parse_args(argv):
     ap.add_argument("--part", choices=tuple(PYTHONS), help=argparse.SUPPRESS)  # one side, in its own venv
     args = ap.parse_args(argv)
     args.in_flight = [int(k) for k in args.in_flight.split(",")]
+    args.queue_spin_s = None if args.queue_spin_s < 0 else args.queue_spin_s
     return args
 
 
@@ -116,6 +119,10 @@ def report_vllm(r: dict, results: dict) -> None:
                         ("theirs", "(c) vLLM ec_producer + ec_consumer")):
         print(f"  {label:36s} {ttft[path]['p50']:8.1f} / {ttft[path]['p99']:8.1f}   "
               + "   ".join(f"{ips[k][path]:6.2f}" for k in ips), flush=True)
+    for k, by_path in r.get("cpu_ms_per_image", {}).items():
+        print(f"  CPU ms per image at {k} in flight: " + "; ".join(
+            f"{path} " + ", ".join(f"{name} {ms:.1f}" for name, ms in sorted(cpu.items(), key=lambda x: -x[1]))
+            for path, cpu in by_path.items()), flush=True)
     ratio(results, "peers_vllm_ttft_vs_own_disagg", ttft["ours"]["p50"], ttft["theirs"]["p50"], "ms")
     ratio(results, "peers_vllm_ttft_vs_local", ttft["ours"]["p50"], ttft["local"]["p50"], "ms")
     for k in ips:

@@ -25,6 +25,10 @@ from benchmarks.scenarios.peers_common import LOGPROB_TOLERANCE, Checker, images
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PATHS = ("local", "ours", "theirs")
+# vLLM's engine core and model runner each spin (sched_yield) on their queues for a second
+# after each message they read: each measured request or run starts once the instances
+# the other paths used have stopped, as on a machine of its own.
+QUIET_S = 1.2
 
 
 def post(url: str, body: dict, timeout: float = 300) -> dict:
@@ -93,7 +97,7 @@ class Servers:
         epd = {"ec_connector": "EPDConnector", "ec_connector_module_path": "pipeline.integrations.vllm",
                "ec_role": "ec_consumer", "ec_connector_extra_config": {
                    "workers": [cfg.bootstrap], "dtype": "float32", "buffer_bytes": 64 << 20,
-                   "shm_prefix": "peers_vrx"}}
+                   "shm_prefix": "peers_vrx", "queue_spin_s": args.queue_spin_s}}
         example = lambda role: {"ec_connector": "ECExampleConnector", "ec_role": role,  # noqa: E731
                                 "ec_connector_extra_config": {"shared_storage_path": store}}
         self.urls = {}
@@ -133,6 +137,31 @@ class Servers:
             return post(self.urls["proxy"], body)
         return own_disagg(self.urls["producer"], self.urls["consumer"], body)
 
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds (user + system) so far of each process group: each vLLM instance
+        (its server, engine core and model runner), the proxy, each of the worker's stage
+        processes, and this process (the client's threads, the worker's supervisor)."""
+        import psutil
+
+        def tree(pid: int) -> float:
+            try:
+                root = psutil.Process(pid)
+                return sum(sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)])
+            except psutil.NoSuchProcess:
+                return 0.0
+
+        out = {name: tree(proc.pid) for name, proc in self.procs}
+        me = psutil.Process()
+        for child in me.children():
+            try:
+                title = child.cmdline()[0] if child.cmdline() else ""
+                if title.startswith("epd-worker:"):
+                    out["worker " + title.split(":", 1)[1].strip()] = sum(child.cpu_times()[:2])
+            except psutil.NoSuchProcess:
+                pass
+        out["client"] = sum(me.cpu_times()[:2])
+        return out
+
     def close(self) -> None:
         from ipc import shm
         from pipeline.testing.vllm import stop
@@ -170,18 +199,24 @@ def measure(args, tmp: str) -> dict:
         for i, (key, url) in enumerate(images_of(0, n1)):
             order = PATHS[i % 3:] + PATHS[:i % 3]  # each path first, second and third as often
             for path in order:
+                time.sleep(QUIET_S)
                 one(path, key, url, ttft[path])
         result["ttft_ms"] = {p: pct(v) for p, v in ttft.items()}
-        ips = {}
+        ips, cpu = {}, {}
         for k in args.in_flight:
             images = images_of(100_000 * k, (6 if args.quick else 16) * k)
             ips[k] = {}
             for path in PATHS:  # the reference first: the others are checked against it
+                time.sleep(QUIET_S)
                 with ThreadPoolExecutor(k) as pool:
-                    start = time.perf_counter()
+                    before, start = servers.cpu(), time.perf_counter()
                     list(pool.map(lambda im: one(path, *im), images))
                     ips[k][path] = len(images) / (time.perf_counter() - start)
+                    after = servers.cpu()
+                cpu.setdefault(k, {})[path] = {name: (after[name] - before.get(name, 0.0)) * 1e3 / len(images)
+                                               for name in after if after[name] - before.get(name, 0.0) > 0}
         result["images_per_s"] = ips
+        result["cpu_ms_per_image"] = cpu
         result["worker_stats"] = {k: v for k, v in servers.worker.stats().items()
                                   if isinstance(v, (int, float))}
     finally:
