@@ -64,8 +64,11 @@ def parse_args(argv):
     ap.add_argument("--tower-threads", type=int, default=1,
                     help="the worker's tower_threads (default %(default)s; 0: one per CPU)")
     ap.add_argument("--tower-replicas", type=int, default=1,
-                    help="the worker's tower_replicas (default %(default)s); tokenspeed's encode worker, which "
-                         "has one tower, gets this many times the torch threads")
+                    help="the worker's tower_replicas beside vLLM (default %(default)s: its model runner "
+                         "takes a core of its own)")
+    ap.add_argument("--ts-tower-replicas", type=int, default=2,
+                    help="the worker's tower_replicas on the tokenspeed side (default %(default)s); tokenspeed's "
+                         "encode worker, which has one tower, gets this many times the torch threads")
     ap.add_argument("--queue-spin-s", type=float, default=0.0,
                     help="EPDConnector's queue_spin_s (default %(default)s; -1: vLLM's own spin)")
     ap.add_argument("--tower-dtype", choices=("float32", "bfloat16"), default="float32",

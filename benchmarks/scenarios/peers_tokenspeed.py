@@ -78,7 +78,7 @@ class Gateways:
 
         mode, threads = args.worker_mode, args.tower_threads
         # the same tower threads on both sides: tokenspeed's one tower gets the replicas'
-        their_threads = (threads or os.cpu_count()) * args.tower_replicas
+        their_threads = (threads or os.cpu_count()) * args.ts_tower_replicas
         grpc, self.common_pb2, self.enc_pb2, enc_grpc, self.sched = _import_grpc()
         self.procs = []
         self.ts_bootstrap = free_port()
@@ -95,7 +95,7 @@ class Gateways:
         self.procs.append(subprocess.Popen(
             [os.path.join(ROOT, ".venv", "bin", "python"), os.path.join(ROOT, "run.py"), "serve", "--mode", mode,
              "--tower", "qwen2.5-vl", "--tower-config", model, "--tower-dtype", "float32",
-             "--tower-threads", str(threads), "--tower-replicas", str(args.tower_replicas),
+             "--tower-threads", str(threads), "--tower-replicas", str(args.ts_tower_replicas),
              "--shm-prefix", "peers_ts", "--run-dir", run_dir,
              "--intake", f"ipc://{run_dir}/intake.sock", "--bootstrap", f"tcp://127.0.0.1:{free_port()}",
              "--tokenspeed-grpc", f"127.0.0.1:{grpc_port}", "--tokenspeed-bootstrap", self.ours_bootstrap],
@@ -261,7 +261,7 @@ def measure(args, tmp: str) -> dict:
     gw = Gateways(tmp, model, args)
     check: dict = {}
     result: dict = {"images_one_at_a_time": n1, "worker_mode": args.worker_mode,
-                    "tower_threads": args.tower_threads, "tower_replicas": args.tower_replicas}
+                    "tower_threads": args.tower_threads, "tower_replicas": args.ts_tower_replicas}
     try:
         for path in PATHS:
             run(gw, path, warm, 1, ref, check)
