@@ -124,3 +124,30 @@ def test_a_part_that_fails_is_a_failed_run(tmp_path, monkeypatch, capsys):
     assert r["failures"] and "missing" in r["failures"][0]
     assert set(peers_common.TARGETS) <= set(r) and r["peers_tokenspeed_throughput_vs_own"] is None
     assert "FAILED" in capsys.readouterr().out
+
+
+@pytest.mark.long
+def test_the_tokenspeed_side_runs_at_its_smallest(tmp_path):
+    """benchmarks/peers.py --only tokenspeed at its smallest: tokenspeed's own encode
+    worker and the worker behind its fronts both serve tokenspeed's prefill code, every
+    room's rows are the tower's, and the figures are written."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for venv in (".venv-tokenspeed", ".venv-vllm"):
+        assert os.path.exists(os.path.join(root, venv, "bin", "python")), (
+            f"{venv} is missing: build it with scripts/setup_{venv[6:]}.sh")
+    out = tmp_path / "peers.json"
+    p = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "peers.py"), "--only", "tokenspeed",
+                        "--quick", "--images", "2", "--in-flight", "2", "--json", str(out)],
+                       cwd=root, capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    ts = r["tokenspeed"]
+    assert ts["check"]["ok"] and set(ts["check"]["rooms"]) == {"theirs", "ours"}
+    assert all(c["rooms"] >= 9 and c["rows_max_abs_diff"] <= 1e-3 for c in ts["check"]["rooms"].values())
+    assert all(ts["images_per_s"]["2"][path] > 0 for path in ("theirs", "ours"))
+    assert r["peers_tokenspeed_latency_vs_own"] > 0
+    assert "peers_tokenspeed_latency_vs_own = " in p.stdout

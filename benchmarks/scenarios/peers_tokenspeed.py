@@ -96,7 +96,7 @@ class Gateways:
             [os.path.join(ROOT, ".venv", "bin", "python"), os.path.join(ROOT, "run.py"), "serve", "--mode", mode,
              "--tower", "qwen2.5-vl", "--tower-config", model, "--tower-dtype", "float32",
              "--tower-threads", str(threads), "--tower-replicas", str(args.ts_tower_replicas),
-             "--shm-prefix", "peers_ts", "--run-dir", run_dir,
+             "--shm-prefix", f"peers_ts{os.getpid()}", "--run-dir", run_dir,
              "--intake", f"ipc://{run_dir}/intake.sock", "--bootstrap", f"tcp://127.0.0.1:{free_port()}",
              "--tokenspeed-grpc", f"127.0.0.1:{grpc_port}", "--tokenspeed-bootstrap", self.ours_bootstrap],
             stdout=open(os.path.join(tmp, "worker.log"), "w"), stderr=subprocess.STDOUT, cwd=ROOT,

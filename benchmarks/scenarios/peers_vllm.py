@@ -83,7 +83,7 @@ class Servers:
         mode, max_seqs = args.worker_mode, max(args.in_flight)
         self.tmp, self.procs, self.worker = tmp, [], None
         self.model = build_model(os.path.join(tmp, "model"), max_pixels=448 * 448)
-        cfg = worker_config("peers_w", tmp, tower="qwen2.5-vl", tower_config=self.model,
+        cfg = worker_config(f"peers_w{os.getpid()}", tmp, tower="qwen2.5-vl", tower_config=self.model,
                             tower_dtype=args.tower_dtype, tower_threads=args.tower_threads,
                             tower_replicas=args.tower_replicas, pixel_arena_bytes=128 << 20,
                             embedding_arena_bytes=64 << 20, arena_cache_bytes=16 << 20, host_cache_bytes=32 << 20)
@@ -97,7 +97,7 @@ class Servers:
         epd = {"ec_connector": "EPDConnector", "ec_connector_module_path": "pipeline.integrations.vllm",
                "ec_role": "ec_consumer", "ec_connector_extra_config": {
                    "workers": [cfg.bootstrap], "dtype": "float32", "buffer_bytes": 64 << 20,
-                   "shm_prefix": "peers_vrx", "queue_spin_s": args.queue_spin_s}}
+                   "shm_prefix": f"peers_vrx{os.getpid()}", "queue_spin_s": args.queue_spin_s}}
         example = lambda role: {"ec_connector": "ECExampleConnector", "ec_role": role,  # noqa: E731
                                 "ec_connector_extra_config": {"shared_storage_path": store}}
         self.urls = {}
@@ -170,7 +170,7 @@ class Servers:
             stop(proc)
         if self.worker is not None:
             self.worker.close()
-        shm.sweep("peers_vrx")  # vLLM kills its engine core before the connector's shutdown
+        shm.sweep(f"peers_vrx{os.getpid()}")  # vLLM kills its engine core before the connector's shutdown
 
 
 def measure(args, tmp: str) -> dict:
