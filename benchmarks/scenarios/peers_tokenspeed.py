@@ -74,13 +74,20 @@ class Gateways:
     """The two encoders (started here), a prefill rank for each, and the gateway stubs."""
 
     def __init__(self, tmp: str, model: str, args):
+        self.procs, self.channel, self.ctx = [], None, None
+        try:
+            self._start(tmp, model, args)
+        except BaseException:
+            self.close()  # what started before the failure
+            raise
+
+    def _start(self, tmp: str, model: str, args) -> None:
         from pipeline.background import free_port
 
         mode, threads = args.worker_mode, args.tower_threads
         # the same tower threads on both sides: tokenspeed's one tower gets the replicas'
         their_threads = (threads or os.cpu_count()) * args.ts_tower_replicas
         grpc, self.common_pb2, self.enc_pb2, enc_grpc, self.sched = _import_grpc()
-        self.procs = []
         self.ts_bootstrap = free_port()
         self.ts_endpoint = f"tcp://127.0.0.1:{free_port()}"
         env = dict(os.environ, MC_FORCE_TCP="1")
@@ -171,8 +178,10 @@ class Gateways:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        self.channel.close()
-        self.ctx.destroy(0)
+        if self.channel is not None:
+            self.channel.close()
+        if self.ctx is not None:
+            self.ctx.destroy(0)
 
 
 def run(gw: Gateways, path: str, images: list, k: int, ref: dict, check: dict, lat: list | None = None) -> float:

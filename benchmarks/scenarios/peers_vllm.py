@@ -77,11 +77,18 @@ class Servers:
     """The three vLLM instances, the worker and the proxy: started together, closed together."""
 
     def __init__(self, tmp: str, args, only_epd: bool = False):
+        self.tmp, self.procs, self.worker, self.urls = tmp, [], None, {}
+        try:
+            self._start(args, only_epd)
+        except BaseException:
+            self.close()  # what started before the failure
+            raise
+
+    def _start(self, args, only_epd: bool) -> None:
         from pipeline.testing.vllm import build_model
         from pipeline.testing.workers import start_worker, worker_config
 
-        mode, max_seqs = args.worker_mode, max(args.in_flight)
-        self.tmp, self.procs, self.worker = tmp, [], None
+        tmp, mode, max_seqs = self.tmp, args.worker_mode, max(args.in_flight)
         self.model = build_model(os.path.join(tmp, "model"), max_pixels=448 * 448)
         cfg = worker_config(f"peers_w{os.getpid()}", tmp, tower="qwen2.5-vl", tower_config=self.model,
                             tower_dtype=args.tower_dtype, tower_threads=args.tower_threads,
@@ -96,11 +103,10 @@ class Servers:
         extra = ["--max-num-seqs", str(max_seqs), "--dtype", args.tower_dtype]
         epd = {"ec_connector": "EPDConnector", "ec_connector_module_path": "pipeline.integrations.vllm",
                "ec_role": "ec_consumer", "ec_connector_extra_config": {
-                   "workers": [cfg.bootstrap], "dtype": "float32", "buffer_bytes": 64 << 20,
+                   "workers": [cfg.bootstrap], "dtype": args.tower_dtype, "buffer_bytes": 64 << 20,
                    "shm_prefix": f"peers_vrx{os.getpid()}", "queue_spin_s": args.queue_spin_s}}
         example = lambda role: {"ec_connector": "ECExampleConnector", "ec_role": role,  # noqa: E731
                                 "ec_connector_extra_config": {"shared_storage_path": store}}
-        self.urls = {}
         for name, ec in (("epd", epd), ("producer", example("ec_producer")), ("consumer", example("ec_consumer"))):
             if name == "epd" or not only_epd:
                 self._vllm(name, ec, extra)
