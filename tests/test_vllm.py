@@ -65,3 +65,33 @@ def test_vllm_engine():
                           env=env)
     assert proc.returncode == 0, f"tests/test_vllm_engine.py in .venv-vllm failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
 
+
+
+def test_the_proxy_runs_its_image_processor_on_one_thread_unless_told(monkeypatch):
+    """run.py proxy sets torch's intra-op threads before it builds the image processor:
+    one by default, N with --threads N, torch's own with 0; a negative count is refused."""
+    import torch
+
+    from pipeline.integrations import proxy
+
+    class Built(Exception):
+        pass
+
+    def preprocessor(*args):
+        raise Built(torch.get_num_threads())
+
+    monkeypatch.setattr(proxy, "Preprocessor", preprocessor)
+    base = ["--model", "m", "--vllm", "http://127.0.0.1:9", "--worker", "ipc:///x,tcp://127.0.0.1:9"]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for extra, want in (([], 1), (["--threads", "2"], 2), (["--threads", "0"], torch.get_num_threads())):
+            torch.set_num_threads(2)
+            with pytest.raises(Built) as e:
+                proxy.main(base + extra)
+            assert e.value.args[0] == want, extra
+        with pytest.raises(SystemExit) as e:
+            proxy.main(base + ["--threads", "-1"])
+        assert e.value.code == 2
+    finally:
+        torch.set_num_threads(before)

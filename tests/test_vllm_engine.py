@@ -33,7 +33,7 @@ from ipc import shm  # noqa: E402
 from pipeline.background import free_port  # noqa: E402
 from pipeline.client import Client, Item, routing_key  # noqa: E402
 from pipeline.integrations import proxy as proxy_mod  # noqa: E402
-from pipeline.integrations.vllm import EPDConnector  # noqa: E402
+from pipeline.integrations.vllm import EPDConnector, EPDConnectorMetadata  # noqa: E402
 from pipeline.testing.sim import expected_sim_rows, image  # noqa: E402
 from pipeline.testing.vllm import build_model, chat, http_status, picture, start_server, stop, wait_ready  # noqa: E402
 from pipeline.testing.workers import sim_config, start_worker, worker_config  # noqa: E402
@@ -122,6 +122,46 @@ def test_rows_reach_the_encoder_cache_as_main_then_deepstack(sim):
     finally:
         worker_side.shutdown()
         sched.shutdown()
+
+
+def test_queue_spin_s_quiets_vllms_queue_readers_at_the_first_step(sim):
+    """With queue_spin_s, the first step of each side sets every reader of vLLM's
+    shared-memory queues in its process to spin that long after a read (vLLM's own: a
+    second), and leaves writers alone; without it, nothing is touched."""
+    import zmq
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    w, prefix = sim
+    ctx = zmq.Context()
+    address = f"ipc://{w.cfg.run_dir}/spin-notify"
+    writer = SpinCondition(is_reader=False, context=ctx, notify_address=address)
+    reader = SpinCondition(is_reader=True, context=ctx, notify_address=address)
+    try:
+        assert reader.busy_loop_s == 1
+        plain = EPDConnector(fake_config(w.cfg.bootstrap, prefix), ECConnectorRole.WORKER)
+        plain.bind_connector_metadata(EPDConnectorMetadata())
+        plain.start_load_caches({})
+        assert reader.busy_loop_s == 1, "a connector without queue_spin_s changed vLLM's spin"
+        cfg = fake_config(w.cfg.bootstrap, prefix, queue_spin_s=0)
+        sched = EPDConnector(cfg, ECConnectorRole.SCHEDULER)
+        try:
+            assert reader.busy_loop_s == 1  # not before a step: the queues may not exist yet
+            sched.build_connector_meta(None)
+            assert reader.busy_loop_s == 0 and writer.busy_loop_s == 0
+            reader.busy_loop_s = 1
+            sched.build_connector_meta(None)
+            assert reader.busy_loop_s == 1, "set again at a later step"
+        finally:
+            sched.shutdown()
+        worker_side = EPDConnector(cfg, ECConnectorRole.WORKER)
+        worker_side.bind_connector_metadata(EPDConnectorMetadata())
+        worker_side.start_load_caches({})
+        assert reader.busy_loop_s == 0
+    finally:
+        for sock in (reader.local_notify_socket, reader.write_cancel_socket, reader.read_cancel_socket,
+                     writer.local_notify_socket):
+            sock.close(0)
+        ctx.term()
 
 
 def test_the_connector_speaks_curve_to_a_worker_that_requires_it(tmp_path):

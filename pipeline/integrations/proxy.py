@@ -229,6 +229,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--mm-processor-kwargs", type=json.loads, default=None,
                    help="JSON: the same --mm-processor-kwargs vLLM runs with")
     p.add_argument("--deadline-ms", type=int, default=None, help="each room's deadline at the worker")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads of the image processor (default %(default)s; 0: torch's default, "
+                        "one per CPU); requests already run in threads of their own")
     p.add_argument("--curve-cert", help="CurveZMQ: this proxy's .key_secret certificate (workers with curve_cert)")
     p.add_argument("--worker-cert", help="CurveZMQ: the workers' public certificate")
     return p
@@ -236,6 +239,14 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 
 def main(argv: list[str], prog: str = "run.py proxy") -> int:
     args = build_parser(prog).parse_args(argv)
+    if args.threads < 0:
+        build_parser(prog).error(f"--threads must be >= 0, got {args.threads}")
+    if args.threads:
+        import torch
+
+        # The processor's steps are a few passes over one image each: more threads per
+        # pass buy little and, beside other requests' threads, spin for the cores.
+        torch.set_num_threads(args.threads)
     host, _, port = args.listen.rpartition(":")
     proxy = Proxy(Preprocessor(args.model, args.mm_processor_kwargs), args.worker, args.vllm, args.deadline_ms,
                   args.curve_cert, args.worker_cert)

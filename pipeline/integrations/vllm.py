@@ -85,6 +85,7 @@ class Settings:
     deadline_s: float
     query_after_s: float
     idle_wait_s: float
+    queue_spin_s: float | None  # vLLM's queue readers' spin after each read; None: vLLM's own
     hostname: str
     hidden: int
     deepstack_width: int
@@ -115,11 +116,37 @@ class Settings:
                    deadline_s=float(extra.get("deadline_s", 60.0)),
                    query_after_s=float(extra.get("query_after_s", 5.0)),
                    idle_wait_s=float(extra.get("idle_wait_s", 30.0)),
+                   queue_spin_s=None if extra.get("queue_spin_s") is None else float(extra["queue_spin_s"]),
                    hostname=str(extra.get("hostname", "127.0.0.1")),
                    hidden=int(extra.get("hidden", hidden)),
                    deepstack_width=int(extra.get("deepstack_width", layers * hidden)),
                    dtype=dtype, shm_prefix=shm.check_prefix(str(extra.get("shm_prefix", SEGMENT_PREFIX))),
                    curve_cert=extra.get("curve_cert"), worker_cert=extra.get("worker_cert"))
+
+
+def quiet_queue_readers(seconds: float) -> int:
+    """Make every reader of vLLM's shared-memory message queues in this process spin
+    `seconds` after each message it reads before it sleeps on the queue's notification
+    socket; the number of readers set.
+
+    vLLM's readers (the model runner on its step queue, the engine core on the model
+    runner's replies) spin with sched_yield for a second after each read
+    (`distributed/device_communicators/shm_broadcast.py`, SpinCondition). With the tower
+    elsewhere, requests wait on their rooms while the worker's processes need the CPU:
+    on a host of few cores the spinning takes its share of it from them. The writer
+    notifies on every message, so a reader that sleeps wakes for the next one."""
+    import gc
+
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    except ImportError:  # another vLLM: its readers as they are
+        return 0
+    # type(), not isinstance(): the latter asks some of the heap's objects (deprecated
+    # torch aliases) for __class__, which warns
+    readers = [o for o in gc.get_objects() if issubclass(type(o), SpinCondition) and o.is_reader]
+    for reader in readers:
+        reader.busy_loop_s = seconds
+    return len(readers)
 
 
 def room_params(params: Any, workers: tuple[str, ...]) -> tuple[int, str, dict[str, int]]:
@@ -179,6 +206,8 @@ class EPDConnector(ECConnectorBase):
                              "to ec_consumer")
         self.settings = Settings.of(vllm_config)
         self.segments: dict[str, shm.Segment] = {}  # worker side: receive segments mapped
+        # queue_spin_s is applied once the process's queues exist: at its first step here
+        self.spin_set = self.settings.queue_spin_s is None
         self.receiver: Receiver | None = None
         if role == ECConnectorRole.SCHEDULER:
             self.scheduler = building_scheduler()
@@ -387,7 +416,15 @@ class EPDConnector(ECConnectorBase):
         self.loads.append(Load(identifier, self.segment.name, sh.offset, sh.ds_offset, sh.n_rows,
                                sh.hidden, sh.deepstack_width, sh.dtype))
 
+    def _quiet(self) -> None:
+        if not self.spin_set:
+            self.spin_set = True
+            n = quiet_queue_readers(self.settings.queue_spin_s)
+            log.info("EPDConnector: %d message queue readers spin %.3f s after a read", n,
+                     self.settings.queue_spin_s)
+
     def build_connector_meta(self, scheduler_output) -> EPDConnectorMetadata:
+        self._quiet()
         self._idle_wait(scheduler_output)
         meta = EPDConnectorMetadata(self.loads)
         self.loads = []
@@ -462,6 +499,7 @@ class EPDConnector(ECConnectorBase):
 
     # ------------------------------------------------------------ worker side
     def start_load_caches(self, encoder_cache, **kwargs) -> None:
+        self._quiet()
         meta = self._get_connector_metadata()
         for load in getattr(meta, "loads", ()):
             if load.identifier not in encoder_cache:
