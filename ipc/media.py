@@ -153,7 +153,6 @@ def decode_rgb(data: bytes, fmt: str, settings: ImageSettings):
 
 
 _TABLES: dict[tuple, np.ndarray] = {}
-_OFFSETS = (np.arange(3, dtype=np.intp) * 256)[None, :, None]  # channel c's row of the table
 
 
 def _table(s: ImageSettings) -> np.ndarray:
@@ -194,12 +193,12 @@ def preprocess(data: bytes, fmt: str, settings: ImageSettings, out: np.ndarray |
         out = np.empty((n, s.patch_dim), dtype=np.float32)
     elif out.shape != (n, s.patch_dim) or out.dtype != np.float32:
         raise MediaError(f"output is {out.shape} {out.dtype}, the image needs ({n}, {s.patch_dim}) float32")
-    idx = u8.astype(np.intp)
-    idx += _OFFSETS
-    vals = _table(s).take(idx)  # [n, 3, p * p] float32
+    table = _table(s).reshape(3, 256)
     dst = out.reshape(n, 3, tp, p * p)
-    for k in range(tp):  # the same frame in every temporal slot: an image is one frame repeated
-        dst[:, :, k] = vals
+    for c in range(3):
+        vals = table[c][u8[:, c]]  # [n, p * p] float32
+        for k in range(tp):  # the same frame in every temporal slot: an image is one frame repeated
+            dst[:, c, k] = vals
     return out, (1, gh, gw)
 
 

@@ -167,3 +167,33 @@ def test_hostile_media_fail_with_a_reason(name):
     s = media.ImageSettings(max_decoded_pixels=16 << 20)
     with pytest.raises(media.MediaError, match=reason):
         media.preprocess(data, fmt, s)
+
+
+@pytest.mark.parametrize("name", ["jpeg-rgb", "png-rgba", "webp-lossy"])
+def test_the_proxy_sends_the_file_and_its_grid_and_the_worker_makes_its_pixels(name):
+    """run.py proxy --send-compressed: no decode in the proxy, the grid from the header; the
+    patches the worker makes from the file are the ones the proxy's processor made."""
+    import base64
+
+    from pipeline.integrations import proxy
+
+    data, fmt = CORPUS[name]
+    pre = object.__new__(proxy.Preprocessor)
+    pre.image_processor = pil_qwen.Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 112)
+    pre.kwargs, pre.compressed = {}, True
+    url = f"data:image/{fmt};base64," + base64.b64encode(data).decode()
+    item = pre.image(url)
+    assert item.media == fmt and item.pixels.tobytes() == data
+    assert (item.min_pixels, item.max_pixels) == (28 * 28, 112 * 112)
+    s = media.ImageSettings(min_pixels=item.min_pixels, max_pixels=item.max_pixels)
+    want, grid = hf(data, s)  # what vLLM makes of the file
+    got, _ = media.preprocess(data, fmt, s)
+    assert [list(grid)] == item.grid_thw and np.array_equal(got, want)
+    if name != "png-rgba":
+        # The proxy's pixels are vLLM's too, but for transparency: it drops the alpha
+        # (convert("RGB")) where vLLM pastes the image on white.
+        pre.compressed = False
+        assert np.array_equal(pre.image(url).pixels, want)
+    with pytest.raises(proxy.BadRequest, match="jpeg, png or webp"):
+        pre.compressed = True
+        pre.image("data:image/gif;base64," + base64.b64encode(save(Image.new("RGB", (30, 30)), "GIF")).decode())
