@@ -140,19 +140,31 @@ class PreprocessStage(Stage):
 
 def image_settings(cfg, spec) -> media.ImageSettings:
     """The processor's settings for this tower: its patch geometry, the worker's resize
-    bounds, and mean and std from the checkpoint's preprocessor_config.json when it has
+    bounds, and mean and std from the checkpoint's processor configuration when it has
     one (else the family's: Qwen3-VL's 0.5, Qwen2's CLIP values)."""
     mean, std = (media.HALF, media.HALF) if cfg.tower == "qwen3-vl" else (media.CLIP_MEAN, media.CLIP_STD)
     rescale = media.RESCALE
-    path = os.path.join(cfg.tower_config or "", "preprocessor_config.json")
-    if cfg.tower_config and os.path.isfile(path):
-        with open(path) as f:
-            pc = json.load(f)
+    pc = _processor_config(cfg.tower_config) if cfg.tower_config else None
+    if pc:
         mean, std = tuple(pc.get("image_mean", mean)), tuple(pc.get("image_std", std))
         rescale = pc.get("rescale_factor", rescale)
     return media.ImageSettings(patch=spec.patch, merge=spec.merge, temporal_patch=spec.temporal_patch,
                                min_pixels=cfg.image_min_pixels, max_pixels=cfg.image_max_pixels,
                                mean=mean, std=std, rescale=rescale, max_decoded_pixels=cfg.max_decoded_pixels)
+
+
+def _processor_config(path: str) -> dict | None:
+    """The image processor's settings in a checkpoint: preprocessor_config.json, or (as
+    transformers 5 saves a processor) the image_processor map of processor_config.json."""
+    for name, key in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            with open(file) as f:
+                pc = json.load(f)
+            pc = pc.get(key) if key else pc
+            if isinstance(pc, dict):
+                return pc
+    return None
 
 
 def build(env, name, emit, custody) -> PreprocessStage:

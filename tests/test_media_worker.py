@@ -169,3 +169,22 @@ def test_a_hung_or_crashed_preprocess_process_is_restarted_and_fails_only_what_i
         assert room not in rx.failed or "preprocess" in rx.failed[room], rx.failed[room]
     assert after not in rx.failed, rx.failed[after]
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(shm_prefix + ".px.")]
+
+
+@pytest.mark.parametrize("layout", ["preprocessor_config.json", "processor_config.json"])
+def test_the_checkpoints_mean_and_std_are_the_workers(layout, tmp_path):
+    """transformers 5 saves a processor's settings in processor_config.json (its
+    image_processor map); older checkpoints in preprocessor_config.json."""
+    import json
+    from types import SimpleNamespace
+
+    from pipeline.config import WorkerConfig
+    from stages.preprocess import image_settings
+
+    pc = {"image_mean": [0.1, 0.2, 0.3], "image_std": [0.4, 0.5, 0.6], "rescale_factor": 0.5}
+    (tmp_path / layout).write_text(json.dumps(pc if layout.startswith("pre") else {"image_processor": pc}))
+    spec = SimpleNamespace(patch=14, merge=2, temporal_patch=2)
+    s = image_settings(WorkerConfig(tower="qwen3-vl", tower_config=str(tmp_path)), spec)
+    assert (s.mean, s.std, s.rescale) == ((0.1, 0.2, 0.3), (0.4, 0.5, 0.6), 0.5)
+    s = image_settings(WorkerConfig(tower="qwen3-vl", tower_config="tiny"), spec)
+    assert (s.mean, s.std) == (media.HALF, media.HALF)
