@@ -133,7 +133,8 @@ def parse_args(argv) -> tuple[argparse.Namespace, set]:
                     help="comma-separated subset of cpu, small, device, tiny, replicas, tokenspeed (device needs "
                          "cpu), and, not by default: load: images/s of both modes at each of --load-windows "
                          "rooms in flight; store: two workers sharing a Mooncake Store; vllm: the worker as "
-                         "vLLM's encoder against vLLM's own (needs .venv-vllm)")
+                         "vLLM's encoder against vLLM's own (needs .venv-vllm); media: compressed JPEGs "
+                         "against pixels and against Hugging Face's processor")
     ap.add_argument("--load-windows", default="1,2,4,8,16,32,64",
                     help="rooms in flight for the load scenario (default %(default)s; at most --window)")
     ap.add_argument("--seed", type=int, default=1)

@@ -5,6 +5,7 @@ patch_dim, the item's span, remembered rooms) are checked by the stages.
 """
 from __future__ import annotations
 
+import base64
 import functools
 import re
 import secrets
@@ -94,10 +95,23 @@ class PixelsRef:
     dtype: str
     shm: str | None = None
     data: bytes | None = None
+    media: MediaRef | None = None  # compressed (protocol 1.2): these bytes are the image file's
 
     @property
     def nbytes(self) -> int:
+        if self.media is not None:
+            return self.media.size
         return self.shape[0] * self.shape[1] * DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class MediaRef:
+    """A compressed image (protocol 1.2): its format, its size in bytes, the processor's
+    resize bounds the gateway asked for (0: the worker's own)."""
+    format: str
+    size: int
+    min_pixels: int = 0
+    max_pixels: int = 0
 
 
 @dataclass
@@ -124,10 +138,11 @@ def shm_names(msg: dict) -> list[str]:
     items = msg.get("items")
     if isinstance(items, list):
         for it in items:
-            if isinstance(it, dict) and isinstance(it.get("pixels"), dict):
-                name = it["pixels"].get("shm")
-                if isinstance(name, str):
-                    out.append(name)
+            for key in ("pixels", "media"):
+                if isinstance(it, dict) and isinstance(it.get(key), dict):
+                    name = it[key].get("shm")
+                    if isinstance(name, str):
+                        out.append(name)
     return out
 
 
@@ -172,6 +187,18 @@ def _parse_item(i: int, it) -> EncodeItem:
         if not (isinstance(g, list) and len(g) == 3 and all(is_int(x) and 1 <= x <= 1 << 20 for x in g)):
             raise ProtocolError(f"item {i}: each grid_thw entry must be [t, h, w] with integers in 1..2^20")
         thw.append((g[0], g[1], g[2]))
+    if "media" in it:
+        if "pixels" in it:
+            raise ProtocolError(f"item {i}: an item has pixels or media, not both")
+        if modality != "image":
+            raise ProtocolError(f"item {i}: media items are images (video is not taken compressed yet)")
+        ref = _parse_media(i, it["media"])
+        if len(thw) != 1 or thw[0][0] != 1:
+            raise ProtocolError(f"item {i}: an image's grid_thw is one [1, h, w]")
+        h = it.get("hash")
+        if h is not None and not is_u64(h):
+            raise ProtocolError(f"item {i}: hash must be an unsigned 64-bit integer")
+        return EncodeItem(modality, thw, ref, h)
     px = it.get("pixels")
     if not isinstance(px, dict):
         raise ProtocolError(f"item {i}: pixels must be a map")
@@ -199,6 +226,56 @@ def _parse_item(i: int, it) -> EncodeItem:
     return EncodeItem(modality, thw, ref, h)
 
 
+MEDIA_FORMATS = ("jpeg", "png", "webp")
+MAX_MEDIA_PIXELS = 1 << 30  # bounds on min_pixels and max_pixels as numbers; the worker has its own
+_DATA_URL = re.compile(r"data:image/(jpeg|jpg|png|webp);base64,", re.I)
+
+
+def _parse_media(i: int, m) -> PixelsRef:
+    """An item's `media` map: the file's bytes inline (`data`), in a segment (`shm` and
+    `size`) or as a base64 `data:` URL (`url`), with its `format`."""
+    if not isinstance(m, dict):
+        raise ProtocolError(f"item {i}: media must be a map")
+    bounds = []
+    for key in ("min_pixels", "max_pixels"):
+        v = m.get(key)
+        if v is not None and not (is_int(v) and 1 <= v <= MAX_MEDIA_PIXELS):
+            raise ProtocolError(f"item {i}: media.{key} must be an integer in 1..2^30")
+        bounds.append(v or 0)
+    if bounds[0] and bounds[1] and bounds[0] > bounds[1]:
+        raise ProtocolError(f"item {i}: media.min_pixels is above media.max_pixels")
+    sources = [k for k in ("data", "shm", "url") if k in m]
+    if len(sources) != 1:
+        raise ProtocolError(f"item {i}: media must have exactly one of 'data', 'shm' or 'url'")
+    fmt, data, shm = m.get("format"), None, None
+    if sources[0] == "url":
+        url = m["url"]
+        match = _DATA_URL.match(url) if isinstance(url, str) else None
+        if match is None:
+            raise ProtocolError(f"item {i}: media.url must be a data:image/(jpeg|png|webp);base64, URL "
+                                f"(this worker fetches no http(s) URL)")
+        try:
+            data = base64.b64decode(url[match.end():], validate=True)
+        except ValueError:
+            raise ProtocolError(f"item {i}: media.url is not valid base64") from None
+        fmt = fmt or {"jpg": "jpeg"}.get(match.group(1).lower(), match.group(1).lower())
+    elif sources[0] == "data":
+        data = m["data"]
+        if not isinstance(data, bytes):
+            raise ProtocolError(f"item {i}: media.data must be bytes")
+    else:
+        shm = m["shm"]
+        if not isinstance(shm, str):
+            raise ProtocolError(f"item {i}: media.shm must be a string")
+    if fmt not in MEDIA_FORMATS:
+        raise ProtocolError(f"item {i}: media.format must be one of {', '.join(MEDIA_FORMATS)}, got {fmt!r}")
+    size = len(data) if data is not None else m.get("size")
+    if not (is_int(size) and 1 <= size <= 1 << 40):
+        raise ProtocolError(f"item {i}: media must have 1 or more bytes (media.size with media.shm)")
+    return PixelsRef(shape=(size, 1), dtype="float32", shm=shm, data=data,
+                     media=MediaRef(fmt, size, bounds[0], bounds[1]))
+
+
 def check_item_against_tower(i: int, item: EncodeItem, patch_dim: int, merge: int) -> int:
     """Rules that need the tower; returns the item's span."""
     n_patches = 0
@@ -207,6 +284,8 @@ def check_item_against_tower(i: int, item: EncodeItem, patch_dim: int, merge: in
             raise ProtocolError(
                 f"item {i}: grid [{t}, {h}, {w}] has h or w not divisible by the merge size {merge}")
         n_patches += t * h * w
+    if item.pixels.media is not None:  # the patches are the preprocess stage's to make, and check
+        return n_patches // (merge * merge)
     if item.pixels.shape[0] != n_patches:
         raise ProtocolError(
             f"item {i}: pixels.shape[0] is {item.pixels.shape[0]} but grid_thw gives {n_patches} patches")

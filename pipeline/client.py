@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from ipc import shm
+from ipc import media, shm
 from ipc import wire
 from pipeline import curve
 from pipeline.routing import HashRing
@@ -20,14 +20,23 @@ _NP_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
 
 @dataclass
 class Item:
-    """One vision item. bfloat16 pixels are a uint16 array of their raw bits with dtype='bfloat16'."""
+    """One vision item. bfloat16 pixels are a uint16 array of their raw bits with dtype='bfloat16'.
+
+    A compressed image (protocol 1.2, `image_item`): `pixels` holds the file's bytes
+    (uint8), `media` its format, and min_pixels/max_pixels the processor's bounds (0: the
+    worker's); the worker decodes it."""
     modality: str
     grid_thw: list
     pixels: np.ndarray
     dtype: str | None = None
     hash: int | None = None
+    media: str | None = None
+    min_pixels: int = 0
+    max_pixels: int = 0
 
     def dtype_name(self) -> str:
+        if self.media is not None:
+            return "media|" + self.media
         if self.dtype:
             return self.dtype
         try:
@@ -98,13 +107,20 @@ class Client:
         published = []
         try:
             for it in items:
-                px = {"shape": list(it.pixels.shape), "dtype": it.dtype_name()}
+                if it.media is not None:
+                    px = {"format": it.media, **{k: v for k, v in (("min_pixels", it.min_pixels),
+                                                                  ("max_pixels", it.max_pixels)) if v}}
+                else:
+                    px = {"shape": list(it.pixels.shape), "dtype": it.dtype_name()}
                 if inline:
                     px["data"] = np.ascontiguousarray(it.pixels).tobytes()
                 else:
                     px["shm"] = self.publish(it.pixels)
                     published.append(px["shm"])
-                entry = {"modality": it.modality, "grid_thw": [list(g) for g in it.grid_thw], "pixels": px}
+                    if it.media is not None:
+                        px["size"] = it.pixels.nbytes
+                entry = {"modality": it.modality, "grid_thw": [list(g) for g in it.grid_thw],
+                         "media" if it.media is not None else "pixels": px}
                 if it.hash is not None:
                     entry["hash"] = it.hash
                 msg_items.append(entry)
@@ -173,6 +189,19 @@ class WorkerAddress:
     intake: str
     bootstrap: str
     shm_prefix: str | None = None  # when it shares this host's /dev/shm; None: pixels go inline
+
+
+def image_item(data: bytes, fmt: str, *, min_pixels: int, max_pixels: int, patch: int = 14, merge: int = 2,
+               max_decoded_pixels: int = 64 << 20) -> Item:
+    """A compressed image (jpeg, png or webp) as an item: its grid from the file's header
+    alone (no decode; Pillow needed). min_pixels and max_pixels are sent with it, so they
+    must be the model's processor's; patch and merge are the tower's. ipc.media.MediaError
+    if the header cannot be read or breaks a bound."""
+    settings = media.ImageSettings(patch=patch, merge=merge, min_pixels=min_pixels, max_pixels=max_pixels,
+                                   max_decoded_pixels=max_decoded_pixels)
+    grid = media.image_grid(data, fmt, settings)
+    return Item("image", [list(grid)], np.frombuffer(data, dtype=np.uint8), media=fmt,
+                min_pixels=min_pixels, max_pixels=max_pixels)
 
 
 def routing_key(items: list[Item]) -> int:

@@ -137,6 +137,13 @@ class WorkerConfig:
     store_get_timeout_s: float = setting(0.1, "a store lookup not answered by then is a miss (the item is "
                                               "encoded); while one is stuck past it, the store is not asked")
     trust_client_hash: bool = setting(False, "use the client's content hash instead of hashing the pixels")
+    image_min_pixels: int = setting(56 * 56, "compressed images (protocol 1.2): the processor's min_pixels "
+                                             "where an item gives none (the checkpoint's preprocessor_config.json "
+                                             "size.shortest_edge)")
+    image_max_pixels: int = setting(28 * 28 * 1280, "compressed images: the processor's max_pixels where an "
+                                                    "item gives none (size.longest_edge)")
+    max_decoded_pixels: int = setting(64 << 20, "compressed images: an image larger than this many pixels as "
+                                                "decoded fails its room, from its header, before any decode")
     cache_key_file: str = setting("", "a file of the key pixels are hashed under for the cache (32 bytes, or 64 "
                                       "hex digits; not readable by every user), to share one key among "
                                       "workers; '' for a random key of each run")
@@ -282,7 +289,7 @@ class WorkerConfig:
             "max_items_per_batch", "pixel_arena_bytes", "embedding_arena_bytes",
             "max_tombstones", "max_live_rooms", "max_held_allocs", "status_hwm", "ring_bytes",
             "max_status_sockets", "max_receivers_per_key",
-            "restart_limit",
+            "restart_limit", "image_min_pixels", "image_max_pixels", "max_decoded_pixels",
         ]
         for name in positive:
             if getattr(self, name) < 1:

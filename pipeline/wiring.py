@@ -17,7 +17,7 @@ from ipc.told import ToldTable
 from pipeline import numa
 from pipeline.config import WorkerConfig
 from stages import registry
-from stages.registry import CACHE, INTAKE, REAPER, SCHEDULER, SENDER, SUPERVISOR, TOWER
+from stages.registry import CACHE, INTAKE, PREPROCESS, REAPER, SCHEDULER, SENDER, SUPERVISOR, TOWER
 
 
 # (producer, consumer) between stage kinds; `edges()` gives each tower replica its own.
@@ -30,7 +30,8 @@ EDGES = [
     # then items: they are on the critical path (the sender holds an item that
     # overtakes its room's RoomOpened until the room arrives)
     (INTAKE, CACHE), (INTAKE, SENDER), (INTAKE, REAPER),
-    (CACHE, SCHEDULER), (CACHE, SENDER), (CACHE, REAPER),
+    (CACHE, SCHEDULER), (CACHE, SENDER), (CACHE, REAPER), (CACHE, PREPROCESS),
+    (PREPROCESS, SCHEDULER), (PREPROCESS, CACHE), (PREPROCESS, REAPER),
     (SCHEDULER, TOWER), (SCHEDULER, REAPER), (SCHEDULER, CACHE),
     (TOWER, SENDER), (TOWER, CACHE), (TOWER, SCHEDULER), (TOWER, REAPER),
     (SENDER, REAPER),

@@ -70,7 +70,8 @@ class CacheStage(Stage):
             case Encoded(item=w):
                 self._encoded(w, source)
             case EncodeFailed(item=w, reason=reason, rooms=rooms):
-                self._encode_failed(w, reason, rooms, ReasonCode.TOWER_ERROR)
+                code = ReasonCode.BAD_REQUEST if source == registry.PREPROCESS else ReasonCode.TOWER_ERROR
+                self._encode_failed(w, reason, rooms, code)
             case SpaceWanted(nbytes=nbytes):
                 self.flush_inserts()
                 self.cache.give_back(nbytes)
@@ -169,7 +170,7 @@ class CacheStage(Stage):
 
     def _schedule(self, w: WorkItem) -> None:
         self.outcomes["miss"] += 1
-        self.emit(registry.SCHEDULER, w)
+        self.emit(_encoder_of(w), w)
         self.custody.release(w.slot, w.room)
 
     def _store_answered(self, key: tuple, rows) -> None:
@@ -254,7 +255,7 @@ class CacheStage(Stage):
             if not _same(f, w):
                 self.custody.release(f.slot, f.room)
         if again is not None:
-            self.emit(registry.SCHEDULER, again)
+            self.emit(_encoder_of(again), again)
             self.custody.release(again.slot, again.room)
 
     def _abandon(self, room: int) -> None:
@@ -279,7 +280,7 @@ class CacheStage(Stage):
             if keep and waiters[0].room == room and not asking:  # else the store's answer decides
                 promoted.append(keep[0])
         for w in promoted:
-            self.emit(registry.SCHEDULER, w)
+            self.emit(_encoder_of(w), w)
             self.custody.release(w.slot, w.room)
         self.custody.forget(room)
 
@@ -295,6 +296,11 @@ class CacheStage(Stage):
 def _same(a: WorkItem, b: WorkItem) -> bool:
     """The same item of the same room (a record is a copy: identity says nothing)."""
     return (a.room, a.item) == (b.room, b.item)
+
+
+def _encoder_of(w: WorkItem) -> str:
+    """Where a miss goes: a compressed image to be decoded first, patches to be batched."""
+    return registry.SCHEDULER if w.media is None else registry.PREPROCESS
 
 
 def build(env, name, emit, custody) -> CacheStage:

@@ -55,8 +55,9 @@ class IntakeStage(Stage):
                  row_bytes: int, emb_arena_bytes: int, max_items_per_request: int,
                  max_pixel_bytes_per_request: int, max_live_rooms: int, trust_client_hash: bool = False,
                  custody=None, endpoint: str = "", max_frame: int = 0, journal=None,
-                 content_key: bytes | None = None):
+                 content_key: bytes | None = None, image_pixels: tuple[int, int] = (56 * 56, 28 * 28 * 1280)):
         super().__init__(emit, custody)
+        self.image_pixels = image_pixels  # compressed images' min_pixels and max_pixels where an item gives none
         # Pixels are hashed under the run's secret key (the cache keys items by it): no peer can compute a key.
         self.content_key = content_key if content_key is not None else wire.new_cache_key()
         self.content_key_id = wire.cache_key_id(self.content_key)
@@ -246,11 +247,15 @@ class IntakeStage(Stage):
         self.emit(registry.SENDER, opened)
         for i, (it, span, lease, h) in enumerate(zip(req.items, spans, leases, hashes)):
             self._seq += 1
+            n_patches, patch_dim = it.pixels.shape
+            if it.pixels.media is not None:  # the preprocess stage makes the patches, as float32
+                n_patches, patch_dim = sum(t * gh * gw for t, gh, gw in it.grid_thw), self.patch_dim
             self.emit(registry.CACHE, WorkItem(
                 slot=slot, room=room, item=i, seq=self._seq, modality=it.modality,
                 grid_thw=tuple(tuple(g) for g in it.grid_thw), pixel_dtype=it.pixels.dtype,
-                n_patches=it.pixels.shape[0], patch_dim=it.pixels.shape[1], span=span,
-                pixels=lease, client_hash=it.hash, pixel_hash=h, cache_salt=req.cache_salt))
+                n_patches=n_patches, patch_dim=patch_dim, span=span,
+                pixels=lease, client_hash=it.hash, pixel_hash=h, cache_salt=req.cache_salt,
+                media=self._media(it.pixels.media)))
         self.rooms.advance(slot, room, RoomState.QUEUED)
         self.custody.release(slot, room)
         return True
@@ -287,10 +292,22 @@ class IntakeStage(Stage):
             segments.close(taken, checked)
         return hashes
 
+    def _media(self, m: wire.MediaRef | None) -> tuple | None:
+        """A compressed image's WorkItem.media: its resize bounds made the worker's where it gives none."""
+        if m is None:
+            return None
+        return (m.format, m.size, m.min_pixels or self.image_pixels[0], m.max_pixels or self.image_pixels[1])
+
     def _read_item(self, it: wire.EncodeItem, taken: dict, lease: Lease) -> bytes | None:
         # Hashed as it is read: the cache stage would read the bytes again from memory.
+        # A compressed image's bytes are hashed with its settings (what else makes its
+        # patches is the tower's, which the cache key names): a repeat skips the decode.
+        kind = it.pixels.dtype
+        if it.pixels.media is not None:
+            fmt, _, lo, hi = self._media(it.pixels.media)
+            kind = f"media|{fmt}|{lo}|{hi}"
         hasher = (None if self.trust_client_hash and it.hash is not None
-                  else wire.cache_hasher(self.content_key, it.modality, it.grid_thw, it.pixels.dtype))
+                  else wire.cache_hasher(self.content_key, it.modality, it.grid_thw, kind))
         view = self.pixel_arena.view(lease)
         if it.pixels.data is not None:
             view[:] = it.pixels.data
@@ -358,4 +375,5 @@ def build(env, name, emit, custody) -> IntakeStage:
                        max_pixel_bytes_per_request=cfg.max_pixel_bytes_per_request,
                        max_live_rooms=cfg.max_live_rooms, trust_client_hash=cfg.trust_client_hash,
                        custody=custody, endpoint=cfg.intake, max_frame=max_frame, journal=env.journal,
-                       content_key=cache_key(cfg.cache_key_file, cfg.shm_prefix, env.run_id))
+                       content_key=cache_key(cfg.cache_key_file, cfg.shm_prefix, env.run_id),
+                       image_pixels=(cfg.image_min_pixels, cfg.image_max_pixels))

@@ -12,6 +12,9 @@ tower replica (stages/registry.py), and a tower's records to the scheduler name 
 | RoomOpened | intake | sender, reaper | an accepted room: its slot, request id, each item's span, deadline |
 | WorkItem | intake | cache | one item: its pixels in the pixel arena, grid, dtype, span |
 | WorkItem | cache | scheduler | a miss (its cache key set), to be encoded |
+| WorkItem | cache | preprocess | a miss of a compressed image, to be decoded into patches |
+| WorkItem | preprocess | scheduler | the same, its patches now in the pixel arena (`media` None) |
+| EncodeFailed | preprocess | cache | a compressed image that does not decode, with the reason |
 | Batch | scheduler | tower | the items of one tower batch, output space reserved in the embedding arena, to the replica with the most credit |
 | ReadyItem | tower | sender | a fresh item's rows in the embedding arena |
 | ReadyItem | cache | sender | a cache hit's rows, or a waiter served by an identical item's encode |
@@ -24,6 +27,7 @@ tower replica (stages/registry.py), and a tower's records to the scheduler name 
 | RoomFailure | intake | reaper | a request that broke a rule |
 | RoomFailure | cache | reaper | pixels lost, or the tower failed on a room's item |
 | RoomFailure | scheduler | reaper | pixels lost before scheduling |
+| RoomFailure | preprocess | reaper | a compressed image's bytes lost before decoding |
 | RoomFailure | tower | reaper | pixels or output space lost |
 | RoomFailure | sender | reaper | a bad alloc, a failed write, a cancel, a bootstrap timeout |
 | Registered | sender | reaper | a receiver (re)registered (already in the receiver table): its status endpoint |
@@ -55,9 +59,13 @@ from ipc.wire import Register
 # dead stage held and fail exactly its rooms.
 # The stages' names: records are routed by these (stages/registry.py builds on them).
 INTAKE, CACHE, SCHEDULER, TOWER, SENDER, REAPER = "intake", "cache", "scheduler", "tower", "sender", "reaper"
+PREPROCESS = "preprocess"
 # Not a stage: the source of the records the supervisor writes (pipeline/wiring.py's edges).
 SUPERVISOR = "supervisor"
 OWNER_SUPERVISOR, OWNER_INTAKE, OWNER_CACHE, OWNER_SCHEDULER, OWNER_TOWER, OWNER_SENDER, OWNER_REAPER = range(7)
+# After the tower replicas' (OWNER_REAPER + 1 .. + 7, stages/registry.py), inside the
+# arenas' 16 owner slots.
+OWNER_PREPROCESS = 14
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +96,10 @@ class WorkItem:
     key: tuple | None = None  # cache key, once hashed
     out: Lease | None = None  # in the embedding arena, once the scheduler reserved it
     cache_salt: str = ""  # the request's cache_salt: other salts never share its cache entry or encode
+    # A compressed image (protocol 1.2): (format, bytes, min_pixels, max_pixels). Until the
+    # preprocess stage decodes it, `pixels` holds the file's bytes, and pixel_hash is the
+    # keyed hash of those bytes and the settings (so a repeated image skips the decode).
+    media: tuple | None = None
 
 
 @dataclass(frozen=True, slots=True)

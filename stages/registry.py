@@ -9,17 +9,18 @@ each). Everything keyed by stage (heartbeats, counters, metrics, `run.py status`
 `numa`) uses these names; `tower` in the wiring and the records table stands for
 every replica.
 """
-from stages.records import (INTAKE, CACHE, SCHEDULER, TOWER, SENDER, REAPER, SUPERVISOR,  # noqa: F401 (route by these)
-                            OWNER_CACHE, OWNER_INTAKE, OWNER_REAPER, OWNER_SCHEDULER, OWNER_SENDER,
-                            OWNER_TOWER, TowerDown)
+from stages.records import (INTAKE, CACHE, PREPROCESS, SCHEDULER, TOWER, SENDER, REAPER,  # noqa: F401 (route by these)
+                            SUPERVISOR, OWNER_CACHE, OWNER_INTAKE, OWNER_PREPROCESS, OWNER_REAPER,
+                            OWNER_SCHEDULER, OWNER_SENDER, OWNER_TOWER, TowerDown)
 
 # Replica k > 0 takes owner number OWNER_REAPER + k: the arenas have 16 owner slots
 # (ipc/arena.py's max_owners) and the room table 31 custody bits.
 MAX_TOWER_REPLICAS = 8
-MODULES = {INTAKE: "stages.intake", CACHE: "stages.cache", SCHEDULER: "stages.scheduler",
-           TOWER: "stages.tower", SENDER: "stages.sender", REAPER: "stages.reaper"}
+assert OWNER_REAPER + MAX_TOWER_REPLICAS - 1 < OWNER_PREPROCESS < 16
+MODULES = {INTAKE: "stages.intake", CACHE: "stages.cache", PREPROCESS: "stages.preprocess",
+           SCHEDULER: "stages.scheduler", TOWER: "stages.tower", SENDER: "stages.sender", REAPER: "stages.reaper"}
 # Each stage's arena owner id, which is also its custody bit in the room table.
-OWNERS = {INTAKE: OWNER_INTAKE, CACHE: OWNER_CACHE, SCHEDULER: OWNER_SCHEDULER,
+OWNERS = {INTAKE: OWNER_INTAKE, CACHE: OWNER_CACHE, PREPROCESS: OWNER_PREPROCESS, SCHEDULER: OWNER_SCHEDULER,
           TOWER: OWNER_TOWER, SENDER: OWNER_SENDER, REAPER: OWNER_REAPER}
 # The stage that takes new work: a drain stops it first.
 REQUEST_STAGE = INTAKE
@@ -31,7 +32,7 @@ def tower_names(replicas: int) -> list[str]:
 
 def stage_names(replicas: int) -> list[str]:
     """In the order a round of the in-process loop visits them."""
-    return [REAPER, SENDER, *tower_names(replicas), SCHEDULER, CACHE, INTAKE]
+    return [REAPER, SENDER, *tower_names(replicas), SCHEDULER, PREPROCESS, CACHE, INTAKE]
 
 
 def start_order(replicas: int) -> list[str]:

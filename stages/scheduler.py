@@ -15,7 +15,7 @@ from ipc.stats import Histogram, ReasonCode
 from stages import registry
 from stages.base import POLL_S, Stage
 from stages.batch_queue import BatchQueue, Entry
-from stages.records import (OWNER_CACHE, OWNER_SCHEDULER, Batch, RoomAbandoned, RoomFailure, SpaceWanted,
+from stages.records import (OWNER_SCHEDULER, Batch, RoomAbandoned, RoomFailure, SpaceWanted,
                             TowerCredit, TowerDown, TowerRestarted, WorkItem)
 
 SPACE_WANTED_EVERY_S = 0.2
@@ -52,7 +52,7 @@ class SchedulerStage(Stage):
     def handle(self, source: str, rec) -> None:
         match rec:
             case WorkItem() as w:
-                self._item(w)
+                self._item(w, source)
             case TowerRestarted(replica=k):
                 # The batches its predecessor held died with it and will hand no credit back.
                 # Those still in the ring will: a cap of `depth` keeps them from adding up.
@@ -105,13 +105,14 @@ class SchedulerStage(Stage):
         return {"scheduler_pending": len(self.queue), "scheduler_pending_tokens": self.queue.pending_tokens(),
                 "scheduler_queue_wait_seconds": self.queue_wait.snapshot()}
 
-    def _item(self, w: WorkItem) -> None:
+    def _item(self, w: WorkItem, source: str) -> None:
         self.custody.hold(w.slot, w.room)
         try:
-            self.pixel_arena.transfer(w.pixels, OWNER_CACHE, self.owner)
+            # From the cache, or (a compressed image, decoded) from the preprocess stage.
+            self.pixel_arena.transfer(w.pixels, registry.owner_of(source), self.owner)
         except StaleLease:
-            self.emit(registry.REAPER, RoomFailure(w.slot, w.room, "pixels were lost before scheduling (cache died)",
-                                                   ReasonCode.STAGE_DIED))
+            self.emit(registry.REAPER, RoomFailure(w.slot, w.room, f"pixels were lost before scheduling ({source} "
+                                                   f"died)", ReasonCode.STAGE_DIED))
             self.custody.release(w.slot, w.room)
             return
         self.queue.add(Entry(w.seq, w.room, w.item, w.span, w, arrived=time.monotonic()))

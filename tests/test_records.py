@@ -4,8 +4,11 @@ a workload that takes most paths, is in the table."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import itertools
 
+import numpy as np
+import PIL.Image
 import zmq
 
 import stages.records as records
@@ -20,6 +23,7 @@ from tests.helpers import image, sim_config, start_worker
 ON_DEATH_ONLY = {
     ("RoomFailure", "scheduler", "reaper"),  # pixels lost before scheduling
     ("RoomFailure", "tower", "reaper"),      # pixels or output space lost
+    ("RoomFailure", "preprocess", "reaper"),  # a compressed image's bytes lost
     ("IntakeRestarted", "reaper", "sender"),  # forwarded after an intake's restart (tests/test_start_hangs.py)
 }
 # Taken when the embedding arena runs short (tests/test_worker.py's give-back test).
@@ -118,6 +122,13 @@ def test_what_the_stages_emit_is_in_the_table(shm_prefix, tmp_path, monkeypatch)
         raw.send(wire.encode({"v": 1, "type": "encode", "request_id": "bad", "room": bad, "items": []}))
         rx.alloc(bad, 0, **spec)
         expect[bad] = 1
+        png = io.BytesIO()
+        PIL.Image.new("RGB", (56, 56), (10, 200, 30)).save(png, "PNG")
+        for data in (png.getvalue(), b"not a png"):   # a compressed image decoded; one that fails
+            media_room = next(rooms)
+            client.encode(media_room, "m", [Item("image", [[1, 4, 4]], np.frombuffer(data, np.uint8), media="png")])
+            rx.alloc(media_room, 0, **spec)
+            expect[media_room] = 1
         rx.alloc(10**9, 0, **spec)                     # a room never seen: UnknownRoom
         expect[10**9] = 1
         assert rx.wait(expect, 60)

@@ -67,7 +67,7 @@ def test_status_of_a_live_pipeline_worker(shm_prefix, tmp_path, capsys):
         assert run["pid"] == os.getpid()  # the supervisor, running in this process
         assert run["rooms"]["success"] == 3 and run["live_rooms"] == 0
         assert run["rooms"]["failed"] == 0 and run["rooms"]["queued"] == 0
-        assert set(run["stages"]) == {"intake", "cache", "scheduler", "tower", "sender", "reaper"}
+        assert set(run["stages"]) == {"intake", "cache", "preprocess", "scheduler", "tower", "sender", "reaper"}
         for stage, s in run["stages"].items():
             assert s["pid"] == w.runtime.procs[stage].pid and s["alive"] and s["ready"], (stage, s)
             assert s["queue_depth"] == 0 and s["restarts"] == 0 and s["heartbeat_age_s"] < 30

@@ -544,6 +544,40 @@ def test_vllm_serves_the_workers_rows(name, request):
     assert bool((torch.abs(received.float() - hf) <= bf16_step(hf)).all())
 
 
+@pytest.mark.parametrize("name", ["qwen25", "qwen3"])
+def test_vllm_serves_the_workers_rows_of_compressed_images(name, request):
+    """Protocol 1.2 through the proxy's --send-compressed: the worker gets the file and
+    decodes it itself; vLLM's log-probabilities are its own encoder's within the tolerance."""
+    e = request.getfixturevalue(name)
+    pre = proxy_mod.Preprocessor(e.model, compressed=True)
+    url = picture(3)
+    item = pre.image(url)
+    assert item.media is not None  # the file, not pixels
+    uuid = f"{routing_key([item]):016x}"
+    client = Client(e.worker.cfg.intake, e.worker.cfg.shm_prefix)
+    status, local = post(e.url, chat(e.model, {"type": "image_url", "image_url": {"url": url}}))
+    assert status == 200, local
+    client.encode(111, "compressed", [item])
+    status, meta = post(e.url, chat(
+        e.model, {"type": "image_embeds", "image_embeds": {"image_grid_thw": item.grid_thw[0]}, "uuid": uuid},
+        ec_transfer_params={"room": 111, "worker": e.worker.cfg.bootstrap, "items": {uuid: 0}}))
+    assert status == 200, meta
+    # The same image as the proxy's pixels (vLLM's own processor), for scale.
+    px = proxy_mod.Preprocessor(e.model).image(url)
+    client.encode(112, "pixels", [px])
+    status, as_pixels = post(e.url, chat(
+        e.model, {"type": "image_embeds", "image_embeds": {"image_grid_thw": px.grid_thw[0]}, "uuid": uuid + "-px"},
+        ec_transfer_params={"room": 112, "worker": e.worker.cfg.bootstrap, "items": {uuid + "-px": 0}}))
+    client.close()
+    assert status == 200, as_pixels
+    diff = np.abs(logprobs(meta) - logprobs(local)).max()
+    px_diff = np.abs(logprobs(as_pixels) - logprobs(local)).max()
+    print(f"{e.kind}, compressed: max |logprob(worker) - logprob(vLLM's own encoder)| = {diff:.4g} "
+          f"(the same image as pixels: {px_diff:.4g}; compressed against pixels: "
+          f"{np.abs(logprobs(meta) - logprobs(as_pixels)).max():.4g})")
+    assert diff <= LOGPROB_TOLERANCE
+
+
 def test_a_video_is_served_from_the_workers_rows(qwen25):
     from stages.towers.qwen import Qwen25VLTower
 

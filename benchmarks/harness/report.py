@@ -20,6 +20,10 @@ TARGETS = {
     "tokenspeed_front_cpu_per_image_vs_native": None,
     "store_tower_work_saved": (">=", 0.45),
     "store_hit_latency_vs_local_miss": ("<=", 0.5),
+    # issue #35: per core, against the Hugging Face processor; intake's CPU per image
+    "media_preprocess_per_process_vs_hf": (">=", 2.0),
+    "media_preprocess_scaling_2_vs_1": None,
+    "media_intake_cpu_vs_pixels": ("<=", 0.2),
 }
 
 

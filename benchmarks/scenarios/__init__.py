@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from benchmarks.scenarios.device import device
 from benchmarks.scenarios.load import load
+from benchmarks.scenarios.media import media_scenario
 from benchmarks.scenarios.replicas import replicas
 from benchmarks.scenarios.sim_pair import cpu, small
 from benchmarks.scenarios.store import store
@@ -13,4 +14,4 @@ from benchmarks.scenarios.tokenspeed import tokenspeed
 from benchmarks.scenarios.vllm import vllm
 
 SCENARIOS = {"cpu": cpu, "small": small, "device": device, "replicas": replicas, "load": load, "tiny": tiny,
-             "tokenspeed": tokenspeed, "store": store, "vllm": vllm}
+             "tokenspeed": tokenspeed, "store": store, "vllm": vllm, "media": media_scenario}

@@ -27,7 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 
-from pipeline.client import Item, RoutedClient, WorkerAddress, routing_key
+from pipeline.client import Item, RoutedClient, WorkerAddress, image_item, routing_key
 
 
 class BadRequest(ValueError):
@@ -37,20 +37,53 @@ class BadRequest(ValueError):
 class Preprocessor:
     """The model's image processor, as vLLM runs it, and the request rewrite."""
 
-    def __init__(self, model: str, mm_processor_kwargs: dict | None = None):
+    def __init__(self, model: str, mm_processor_kwargs: dict | None = None, compressed: bool = False):
         from transformers import AutoProcessor
 
         self.image_processor = AutoProcessor.from_pretrained(model).image_processor
         self.kwargs = dict(mm_processor_kwargs or {})
+        self.compressed = compressed  # send the image file (protocol 1.2): the worker decodes it
+
+    def bounds(self) -> tuple[int, int]:
+        """The processor's min_pixels and max_pixels, as vLLM runs it (mm_processor_kwargs over the checkpoint's)."""
+        size = self.kwargs.get("size") or getattr(self.image_processor, "size", None) or {}
+        get = size.get if isinstance(size, dict) else (lambda k, d=None: getattr(size, k, d))
+        lo = self.kwargs.get("min_pixels") or get("shortest_edge") or get("min_pixels")
+        hi = self.kwargs.get("max_pixels") or get("longest_edge") or get("max_pixels")
+        return int(lo), int(hi)
+
+    def compressed_image(self, raw: bytes) -> Item:
+        """The image's bytes and its grid from the header: no decode here."""
+        from PIL import Image
+
+        from ipc import media
+
+        try:
+            fmt = (Image.open(io.BytesIO(raw)).format or "").lower()
+        except Exception as e:
+            raise BadRequest(f"an image does not decode: {e}") from None
+        if fmt not in media.FORMATS:
+            raise BadRequest(f"compressed images are jpeg, png or webp, not {fmt or 'unknown'}")
+        lo, hi = self.bounds()
+        try:
+            return image_item(raw, fmt, min_pixels=lo, max_pixels=hi, patch=self.image_processor.patch_size,
+                              merge=self.image_processor.merge_size)
+        except media.MediaError as e:
+            raise BadRequest(f"an image is refused: {e}") from None
 
     def image(self, url: str) -> Item:
-        """One image's pixels and patch grid."""
+        """One image's pixels (or, compressed, its bytes) and patch grid."""
         from PIL import Image
 
         if not isinstance(url, str) or not url.startswith("data:") or "," not in url:
             raise BadRequest("images must be data: URLs (data:image/png;base64,...)")
         try:
             raw = base64.b64decode(url.split(",", 1)[1], validate=True)
+        except Exception as e:
+            raise BadRequest(f"an image does not decode: {e}") from None
+        if self.compressed:
+            return self.compressed_image(raw)
+        try:
             image = Image.open(io.BytesIO(raw)).convert("RGB")
         except Exception as e:
             raise BadRequest(f"an image does not decode: {e}") from None
@@ -232,6 +265,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads of the image processor (default %(default)s; 0: torch's default, "
                         "one per CPU); requests already run in threads of their own")
+    p.add_argument("--send-compressed", action="store_true",
+                   help="send each image's file (protocol 1.2; the workers decode it, with the checkpoint's "
+                        "processor settings) instead of its pixels")
     p.add_argument("--curve-cert", help="CurveZMQ: this proxy's .key_secret certificate (workers with curve_cert)")
     p.add_argument("--worker-cert", help="CurveZMQ: the workers' public certificate")
     return p
@@ -248,7 +284,7 @@ def main(argv: list[str], prog: str = "run.py proxy") -> int:
         # pass buy little and, beside other requests' threads, spin for the cores.
         torch.set_num_threads(args.threads)
     host, _, port = args.listen.rpartition(":")
-    proxy = Proxy(Preprocessor(args.model, args.mm_processor_kwargs), args.worker, args.vllm, args.deadline_ms,
+    proxy = Proxy(Preprocessor(args.model, args.mm_processor_kwargs, args.send_compressed), args.worker, args.vllm, args.deadline_ms,
                   args.curve_cert, args.worker_cert)
     server = serve(proxy, host or "127.0.0.1", int(port))
     print(f"proxy on http://{args.listen} -> {args.vllm}, {len(args.worker)} worker(s)", file=sys.stderr, flush=True)
