@@ -38,6 +38,13 @@ from stages import registry
 from stages.records import IntakeRestarted
 from stages.registry import REQUEST_STAGE, SUPERVISOR
 
+# Stages start by fork and exec (see Supervisor.__init__). gRPC (the tokenspeed gateway
+# front serves from this process) restarts its pollers in a forked child when its fork
+# support is on, and the child then dies of its own closed descriptors before the exec.
+# gRPC reads the variable when it is imported; the command line imports this module
+# before the front imports gRPC.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 log = logging.getLogger("epd.supervisor")
 
 

@@ -10,6 +10,9 @@ from hypothesis import HealthCheck, settings
 
 from ipc import shm
 
+# Before any test module imports grpc, which reads it at import: see pipeline/supervisor.py.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 # Profiles: `ci` (CI set: fixed examples, derandomized so a run is reproducible), `dev`
 # (the default: random), `stress` (pick it with --hypothesis-profile=stress: 20x dev's
 # examples, for a long soak; the state machines of test_protocol_model.py scale their
