@@ -136,6 +136,10 @@ def test_hung_stage_is_killed_and_restarted(pipeline):
     wait_restarted(w, "cache")
     load.send(10)
     load.settle()
+    failed = {room: reason for room, reason in r.failed.items() if room in load.sent}
+    assert all("cache" in reason for reason in failed.values()), failed
+    later = list(load.sent)[-10:]  # sent after the hung cache was replaced: all served
+    assert not [room for room in later if room in r.failed], failed
 
 
 def _zombie_or_gone(pid: int) -> bool:
