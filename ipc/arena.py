@@ -69,6 +69,9 @@ class Lease(NamedTuple):
     offset: int
     length: int
 
+    def __reduce__(self):  # a NamedTuple's own way calls back into Python twice; leases cross rings in records
+        return (Lease, tuple(self))
+
 
 # header words (int64)
 _H_MAGIC, _H_SIZE, _H_BS, _H_MAXL, _H_MAXO, _H_TOTAL, _H_SEQ, _H_USED, _H_LIVE, _H_RECOV, _H_JSLOT = range(11)

@@ -273,7 +273,6 @@ def _pickled_as_tuple(cls):
 # ring imports this module, so all agree on the numbers; they are private to one run
 # (rings do not outlive it).
 _EXTENSION_BASE = 0xE9D0
-Lease.__reduce__ = lambda self: (Lease, tuple(self))  # a NamedTuple's own way calls back into Python twice
 _records = [v for v in list(globals().values()) if isinstance(v, type) and v.__module__ == __name__]
 for _code, _cls in enumerate([Lease, Register] + _records, start=_EXTENSION_BASE):
     copyreg.add_extension(_cls.__module__, _cls.__qualname__, _code)
