@@ -116,9 +116,9 @@ def test_rows_reach_the_encoder_cache_as_main_then_deepstack(sim):
         # A step scheduled before the request finished may still copy its rows: the
         # buffer is freed two steps on.
         sched.build_connector_meta(None)
-        assert sched.receiver.shards
+        assert sched.connector_scheduler.receiver.shards
         sched.build_connector_meta(None)
-        assert not sched.receiver.shards
+        assert not sched.connector_scheduler.receiver.shards
     finally:
         worker_side.shutdown()
         sched.shutdown()
@@ -196,15 +196,15 @@ def test_a_room_the_worker_fails_makes_the_request_unavailable(sim):
         grid, px = image(2)  # 16 patches: 4 rows, where vLLM counts 9
         Client(w.cfg.intake, w.cfg.shm_prefix).encode(12, "r12", [Item("image", grid, px)])
         req = fake_request("b", 12, w.cfg.bootstrap, ["u2"], span=9)
-        wait_for(lambda: "b" in sched.unavailable, 30, "room 12's failure",
+        wait_for(lambda: "b" in sched.connector_scheduler.unavailable, 30, "room 12's failure",
                  step=lambda: sched.ensure_cache_available(req, 0))
-        assert "span" in sched.unavailable["b"]
+        assert "span" in sched.connector_scheduler.unavailable["b"]
         assert sched.take_unavailable_requests() == {"b"} and not sched.ensure_cache_available(req, 0)
         sched.request_finished(req)
-        assert not sched.receiver.shards
+        assert not sched.connector_scheduler.receiver.shards
         # Params naming a worker this engine was not given are refused, never followed.
         bad = fake_request("c", 13, "tcp://10.9.9.9:1", ["u3"])
-        assert not sched.ensure_cache_available(bad, 0) and "not one of" in sched.unavailable["c"]
+        assert not sched.ensure_cache_available(bad, 0) and "not one of" in sched.connector_scheduler.unavailable["c"]
     finally:
         sched.shutdown()
 
@@ -218,18 +218,18 @@ def test_aborted_request_and_deadline_cancel_their_rooms(sim):
         assert not sched.ensure_cache_available(aborted, 0)
         sched.request_finished(aborted)  # vLLM aborts it: the connector cancels its room
         wait_for(lambda: concluded(w, "failed", "canceled"), 30, "the worker to cancel room 14")
-        wait_for(lambda: not sched.draining, 30, "room 14's buffer to be released", step=sched.poll)
-        assert not sched.receiver.shards
+        wait_for(lambda: not sched.connector_scheduler.draining, 30, "room 14's buffer to be released", step=sched.connector_scheduler.poll)
+        assert not sched.connector_scheduler.receiver.shards
         late = fake_request("e", 15, w.cfg.bootstrap, ["u5"])
-        wait_for(lambda: "e" in sched.unavailable, 30, "room 15's deadline",
+        wait_for(lambda: "e" in sched.connector_scheduler.unavailable, 30, "room 15's deadline",
                  step=lambda: sched.ensure_cache_available(late, 0))
-        assert "deadline_s" in sched.unavailable["e"]
+        assert "deadline_s" in sched.connector_scheduler.unavailable["e"]
         sched.request_finished(late)
-        wait_for(lambda: not sched.draining and not sched.receiver.shards, 30, "room 15's release",
-                 step=sched.poll)
+        wait_for(lambda: not sched.connector_scheduler.draining and not sched.connector_scheduler.receiver.shards, 30, "room 15's release",
+                 step=sched.connector_scheduler.poll)
         # A request whose media vLLM's prefix cache already covers needs no room.
         cached = fake_request("f", 16, w.cfg.bootstrap, ["u6"])
-        assert sched.ensure_cache_available(cached, 100) and "f" not in sched.rooms
+        assert sched.ensure_cache_available(cached, 100) and "f" not in sched.connector_scheduler.rooms
         assert sched.ensure_cache_available(cached, 100), "asked again, the request must not fail"
     finally:
         sched.shutdown()
@@ -239,36 +239,36 @@ def test_a_hit_in_vllms_encoder_cache_cancels_the_room(sim):
     w, prefix = sim
     sched = EPDConnector(fake_config(w.cfg.bootstrap, prefix), ECConnectorRole.SCHEDULER)
     vllm_cache = {"u7": set(), "u8": set()}  # vLLM's encoder cache manager's `cached`
-    sched.scheduler = SimpleNamespace(encoder_cache_manager=SimpleNamespace(cached=vllm_cache))
+    sched.connector_scheduler.scheduler = SimpleNamespace(encoder_cache_manager=SimpleNamespace(cached=vllm_cache))
     client = Client(w.cfg.intake, w.cfg.shm_prefix)
     try:
         hit = fake_request("g", 18, w.cfg.bootstrap, ["u7"])
         # vLLM holds u7: the request goes ahead at once, and no alloc is sent.
-        assert sched.ensure_cache_available(hit, 0) and not sched.receiver.shards
+        assert sched.ensure_cache_available(hit, 0) and not sched.connector_scheduler.receiver.shards
         # Its placeholders computed from vLLM's own cache, the room is canceled, even
         # before the worker has seen the room's encode.
         assert sched.ensure_cache_available(hit, 100)
         client.encode(18, "r18", [Item("image", *image(7))])
         wait_for(lambda: concluded(w, "failed", "canceled"), 30, "the worker to cancel room 18")
-        wait_for(lambda: not sched.draining, 30, "the worker's answer", step=sched.poll)
-        assert sched.ensure_cache_available(hit, 100) and not sched.receiver.shards
+        wait_for(lambda: not sched.connector_scheduler.draining, 30, "the worker's answer", step=sched.connector_scheduler.poll)
+        assert sched.ensure_cache_available(hit, 100) and not sched.connector_scheduler.receiver.shards
         # Preempted, it recomputes its prompt: from vLLM's cache while u7 is there, else
         # it fails with the reason (its room is gone).
         assert sched.ensure_cache_available(hit, 0)
         del vllm_cache["u7"]
-        assert not sched.ensure_cache_available(hit, 0) and "preempted" in sched.unavailable["g"]
+        assert not sched.ensure_cache_available(hit, 0) and "preempted" in sched.connector_scheduler.unavailable["g"]
         sched.request_finished(hit)
         # vLLM evicts u8 before it schedules the request: its room is allocated after all.
         client.encode(19, "r19", [Item("image", *image(8))])
         evicted = fake_request("h", 19, w.cfg.bootstrap, ["u8"])
-        assert sched.ensure_cache_available(evicted, 0) and not sched.receiver.shards
+        assert sched.ensure_cache_available(evicted, 0) and not sched.connector_scheduler.receiver.shards
         del vllm_cache["u8"]
         wait_for(lambda: sched.ensure_cache_available(evicted, 0), 30, "room 19's rows")
         assert sched.has_cache_item("u8")
         sched.request_finished(evicted)
         sched.build_connector_meta(None)
         sched.build_connector_meta(None)
-        wait_for(lambda: not sched.draining and not sched.receiver.shards, 30, "the rooms' release", step=sched.poll)
+        wait_for(lambda: not sched.connector_scheduler.draining and not sched.connector_scheduler.receiver.shards, 30, "the rooms' release", step=sched.connector_scheduler.poll)
     finally:
         client.close()
         sched.shutdown()
@@ -334,9 +334,9 @@ def test_requests_right_after_a_worker_restart_succeed(tmp_path):
             req = fake_request(f"n{room}", room, bootstrap, [f"u{room}"])
             wait_for(lambda: sched.ensure_cache_available(req, 0), 15, f"room {room}'s rows after the restart")
             sched.request_finished(req)
-        wait_for(lambda: "b" in sched.unavailable, 30, "the dead worker's room to fail",
+        wait_for(lambda: "b" in sched.connector_scheduler.unavailable, 30, "the dead worker's room to fail",
                  step=lambda: sched.ensure_cache_available(inflight, 0))
-        assert "unknown room" in sched.unavailable["b"], sched.unavailable["b"]
+        assert "unknown room" in sched.connector_scheduler.unavailable["b"], sched.connector_scheduler.unavailable["b"]
         sched.request_finished(inflight)
     finally:
         client.close()

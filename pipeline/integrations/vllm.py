@@ -196,31 +196,17 @@ def building_scheduler() -> Any:
     return building_owner("ec_connector")
 
 
-class EPDConnector(ECConnectorBase):
-    """vLLM's EC connector (consumer) over the encode worker's protocol."""
+class ConnectorScheduler:
+    """The scheduler side (vLLM's engine core): rooms allocated, waited on and released."""
 
-    def __init__(self, vllm_config, role: ECConnectorRole):
-        super().__init__(vllm_config=vllm_config, role=role)
-        if self.is_producer:
-            raise ValueError("EPDConnector is a consumer: the encode worker produces; set ec_role "
-                             "to ec_consumer")
-        self.settings = Settings.of(vllm_config)
-        self.segments: dict[str, shm.Segment] = {}  # worker side: receive segments mapped
-        # queue_spin_s is applied once the process's queues exist: at its first step here
-        self.spin_set = self.settings.queue_spin_s is None
-        self.receiver: Receiver | None = None
-        if role == ECConnectorRole.SCHEDULER:
-            self.scheduler = building_scheduler()
-            # vLLM's engine core (EngineCoreProc sets its input queue before it builds the
-            # scheduler): an idle wait ends when a request comes in.
-            self.engine_core = building_owner("input_queue")
-            parallel = getattr(vllm_config, "parallel_config", None)
-            self.data_parallel = getattr(parallel, "data_parallel_size", 1) > 1
-            self._start_scheduler_side()
-
-    # ------------------------------------------------------------ scheduler side
-    def _start_scheduler_side(self) -> None:
-        s = self.settings
+    def __init__(self, settings: Settings, vllm_config):
+        self.settings = s = settings
+        self.scheduler = building_scheduler()
+        # vLLM's engine core (EngineCoreProc sets its input queue before it builds the
+        # scheduler): an idle wait ends when a request comes in.
+        self.engine_core = building_owner("input_queue")
+        parallel = getattr(vllm_config, "parallel_config", None)
+        self.data_parallel = getattr(parallel, "data_parallel_size", 1) > 1
         swept = shm.sweep(s.shm_prefix)
         if swept:
             log.info("EPDConnector: removed %d segments of dead engines: %s", len(swept), ", ".join(swept))
@@ -416,15 +402,7 @@ class EPDConnector(ECConnectorBase):
         self.loads.append(Load(identifier, self.segment.name, sh.offset, sh.ds_offset, sh.n_rows,
                                sh.hidden, sh.deepstack_width, sh.dtype))
 
-    def _quiet(self) -> None:
-        if not self.spin_set:
-            self.spin_set = True
-            n = quiet_queue_readers(self.settings.queue_spin_s)
-            log.info("EPDConnector: %d message queue readers spin %.3f s after a read", n,
-                     self.settings.queue_spin_s)
-
     def build_connector_meta(self, scheduler_output) -> EPDConnectorMetadata:
-        self._quiet()
         self._idle_wait(scheduler_output)
         meta = EPDConnectorMetadata(self.loads)
         self.loads = []
@@ -497,10 +475,29 @@ class EPDConnector(ECConnectorBase):
             self.draining[room.room] = time.monotonic() + self.settings.deadline_s
         return False, None
 
-    # ------------------------------------------------------------ worker side
-    def start_load_caches(self, encoder_cache, **kwargs) -> None:
-        self._quiet()
-        meta = self._get_connector_metadata()
+    def shutdown(self) -> None:
+        if self.receiver is None:
+            return
+        for room in list(self.room_owner):
+            self.receiver.cancel(room)
+        for room, worker, _ in self.deferred.values():
+            self._cancel(room, worker)
+        self.receiver.close()
+        self.receiver = None
+        self.segment.close()
+        self.segment.unlink()
+        self.lock.release()
+
+
+class ConnectorWorker:
+    """The worker side (vLLM's model runner): rows copied from the receive segment into
+    vLLM's encoder cache."""
+
+    def __init__(self, model_dtype):
+        self.model_dtype = model_dtype
+        self.segments: dict[str, shm.Segment] = {}  # receive segments mapped
+
+    def load(self, meta, encoder_cache) -> None:
         for load in getattr(meta, "loads", ()):
             if load.identifier not in encoder_cache:
                 encoder_cache[load.identifier] = self._rows(load)
@@ -525,22 +522,69 @@ class EPDConnector(ECConnectorBase):
         device = current_platform.device_type
         if current_platform.is_cuda_alike():
             device = f"{device}:{current_platform.current_device()}"
-        return rows.to(device=device, dtype=self._vllm_config.model_config.dtype)
-
-    def save_caches(self, encoder_cache, mm_hash, **kwargs) -> None:
-        return None
+        return rows.to(device=device, dtype=self.model_dtype)
 
     def shutdown(self) -> None:
         for seg in self.segments.values():
             seg.close()
         self.segments = {}
-        if self.receiver is not None:
-            for room in list(self.room_owner):
-                self.receiver.cancel(room)
-            for room, worker, _ in self.deferred.values():
-                self._cancel(room, worker)
-            self.receiver.close()
-            self.receiver = None
-            self.segment.close()
-            self.segment.unlink()
-            self.lock.release()
+
+
+class EPDConnector(ECConnectorBase):
+    """vLLM's EC connector (consumer) over the encode worker's protocol: vLLM builds one
+    per role, and each holds that role's side alone, as vLLM's own connectors do."""
+
+    def __init__(self, vllm_config, role: ECConnectorRole):
+        super().__init__(vllm_config=vllm_config, role=role)
+        if self.is_producer:
+            raise ValueError("EPDConnector is a consumer: the encode worker produces; set ec_role "
+                             "to ec_consumer")
+        self.settings = Settings.of(vllm_config)
+        # queue_spin_s is applied once the process's queues exist: at its first step here
+        self.spin_set = self.settings.queue_spin_s is None
+        self.connector_scheduler: ConnectorScheduler | None = None
+        self.connector_worker: ConnectorWorker | None = None
+        if role == ECConnectorRole.SCHEDULER:
+            self.connector_scheduler = ConnectorScheduler(self.settings, vllm_config)
+        else:
+            self.connector_worker = ConnectorWorker(vllm_config.model_config.dtype)
+
+    def _quiet(self) -> None:
+        if not self.spin_set:
+            self.spin_set = True
+            n = quiet_queue_readers(self.settings.queue_spin_s)
+            log.info("EPDConnector: %d message queue readers spin %.3f s after a read", n,
+                     self.settings.queue_spin_s)
+
+    # ------------------------------------------------------------ scheduler side
+    def has_cache_item(self, identifier: str) -> bool:
+        return self.connector_scheduler.has_cache_item(identifier)
+
+    def ensure_cache_available(self, request, num_computed_tokens: int) -> bool:
+        return self.connector_scheduler.ensure_cache_available(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, index: int) -> None:
+        self.connector_scheduler.update_state_after_alloc(request, index)
+
+    def take_unavailable_requests(self) -> set[str]:
+        return self.connector_scheduler.take_unavailable_requests()
+
+    def build_connector_meta(self, scheduler_output) -> EPDConnectorMetadata:
+        self._quiet()
+        return self.connector_scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request) -> tuple[bool, dict[str, Any] | None]:
+        return self.connector_scheduler.request_finished(request)
+
+    # ------------------------------------------------------------ worker side
+    def start_load_caches(self, encoder_cache, **kwargs) -> None:
+        self._quiet()
+        self.connector_worker.load(self._get_connector_metadata(), encoder_cache)
+
+    def save_caches(self, encoder_cache, mm_hash, **kwargs) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        for side in (self.connector_scheduler, self.connector_worker):
+            if side is not None:
+                side.shutdown()
