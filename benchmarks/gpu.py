@@ -91,7 +91,7 @@ def sizes(grids: list, window: int, n: int, vision: dict) -> dict:
     emb = max(patches) // vision["spatial_merge_size"] ** 2 * vision["out_hidden_size"] * 2
     pixel_mib = (window + 8) * px // MIB + 64
     emb_mib = (2 * window + 8) * emb // MIB + 64
-    rings = 17 * 8  # one 8 MiB ring per edge of pipeline/wiring.py
+    rings = 17 * 8  # one 8 MiB ring per edge of pipeline/runtime/wiring.py
     segments = n * sum(patches) // len(patches) * patch_dim * 4 // MIB
     need = 2 * (pixel_mib + emb_mib + rings) + segments
     return {"pixel_arena_mib": pixel_mib, "embedding_arena_mib": emb_mib, "shm_needed_mib": need}

@@ -49,8 +49,8 @@ import psutil  # noqa: E402
 import zmq  # noqa: E402
 
 from ipc import shm, wire  # noqa: E402
-from pipeline.client import Client, Item  # noqa: E402
-from pipeline.receiver import Receiver  # noqa: E402
+from pipeline.peers.client import Client, Item  # noqa: E402
+from pipeline.peers.receiver import Receiver  # noqa: E402
 from pipeline.testing.sim import image  # noqa: E402
 from pipeline.testing.workers import start_worker, worker_config  # noqa: E402
 from stages import registry  # noqa: E402

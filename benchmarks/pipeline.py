@@ -43,7 +43,7 @@ as before, and never MISSED):
   status at the receiver, one image in flight) of the pipeline minus the
   in-process worker's (added_latency_ms_p50), cpu-bound settings, / (ring hops on
   a fresh encode's critical path, FRESH_ENCODE_PATH checked against
-  pipeline/wiring.py's EDGES, x the p50 one-way wake of a process asleep on a bare
+  pipeline/runtime/wiring.py's EDGES, x the p50 one-way wake of a process asleep on a bare
   semaphore: benchmarks/ring.py's measurement, run while both workers are up and
   idle). small_added_latency_vs_hop_floor: the same, small.
 - intake_cpu_vs_raw_read: the intake stage process's CPU per image (best

@@ -18,7 +18,7 @@
 - bulk_bytes_vs_memcpy: bytes per second of 4 MiB records through the ring / the
   bandwidth of np.copyto between two 4 MiB arrays in one process.  Best of trials.
 - woken_stage_cpu_vs_raw_wake (no target): the CPU a stage process spends per record
-  when each record wakes it (pipeline/loop.py's Loop over one ring with a doorbell, a
+  when each record wakes it (pipeline/runtime/loop.py's Loop over one ring with a doorbell, a
   stage that does nothing, fed one record every ``gap``) / the CPU a bare process
   spends per wake-up asleep in a semaphore's acquire, released as often.  Both per
   woken record, process CPU (user + system).  What a hop costs a stage before it does
@@ -390,7 +390,7 @@ def _raw_wake_child(conn, sem_name, n):
 def _loop_wake_child(conn, run_id, what, bell_name, n):
     import zmq
 
-    from pipeline.loop import Loop, RingChannel
+    from pipeline.runtime.loop import Loop, RingChannel
     from stages.base import Stage
 
     class Counting(Stage):

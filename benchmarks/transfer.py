@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from ipc import shm  # noqa: E402
-from pipeline.client import Client, Item  # noqa: E402
-from pipeline.background import Running  # noqa: E402
+from pipeline.peers.client import Client, Item  # noqa: E402
+from pipeline.runtime.background import Running  # noqa: E402
 from pipeline.testing.workers import worker_config  # noqa: E402
 from stages.registry import CACHE  # noqa: E402
 
@@ -85,7 +85,7 @@ def raw_async_batches(te, session: str, src: int, dsts: list[int], window: int) 
 
 
 def receiver_main(bootstrap: str, conn, n_rooms: int, window: int, first_room: int) -> None:
-    from pipeline.receiver import Receiver
+    from pipeline.peers.receiver import Receiver
 
     r = Receiver("bench-rx", bootstrap, buffer_bytes=(window + 2) * ITEM_BYTES + (1 << 20))
     # The raw baseline writes into these regions too.

@@ -2,7 +2,7 @@
 buckets, and the bounded label of a failure (its ReasonCode; else its text's class).
 
 Plain Python, no prometheus_client: every stage imports this, and only the process
-that serves the metrics endpoint needs the exporter (pipeline/metrics.py).
+that serves the metrics endpoint needs the exporter (pipeline/ops/metrics.py).
 """
 from __future__ import annotations
 

@@ -495,7 +495,7 @@ def tokenspeed_status(frame: bytes) -> list[bytes]:
 
 def content_hash(modality: str, grid_thw, pixel_dtype: str, pixels) -> int:
     """Unkeyed 64-bit xxh3 of what determines an embedding: what gateways route rooms by
-    (pipeline/client.py's routing_key), which anyone can compute. Never a cache key: a
+    (pipeline/peers/client.py's routing_key), which anyone can compute. Never a cache key: a
     peer can craft collisions of it (the worker's cache keys are cache_hash)."""
     h = content_hasher(modality, grid_thw, pixel_dtype)
     h.update(pixels)

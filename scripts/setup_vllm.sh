@@ -36,7 +36,7 @@ for op in ("nms", "qnms"):
                         f'@(lambda f: f)  # setup_vllm.sh: torchvision::{op} is not compiled in')
 meta.write_text(text)
 PY
-# The project itself, so that the connector imports pipeline.receiver; [cpu] is the
+# The project itself, so that the connector imports pipeline.peers.receiver; [cpu] is the
 # Mooncake build a receiver needs, [tower] the Qwen towers the tests compare against,
 # [proxy] the proxy's image processing.
 pip install -q -e ".[cpu,tower,proxy,test]"

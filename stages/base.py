@@ -1,7 +1,7 @@
 """What every stage is: a plain object that takes records in and hands records out.
 
-A host moves the records. The in-process host (pipeline/inprocess.py) calls the
-stages one after another in one loop; the pipeline host (pipeline/stage_process.py)
+A host moves the records. The in-process host (pipeline/runtime/inprocess.py) calls the
+stages one after another in one loop; the pipeline host (pipeline/runtime/stage_process.py)
 runs one stage per process and moves records over shared-memory rings. A stage
 never knows which.
 

@@ -1,6 +1,6 @@
 """Load progress, from a stage that loads for long (a tower reading its weights and
 building its layers) to the supervisor, which gives up on a start only when it stops
-progressing (pipeline/starts.py).
+progressing (pipeline/runtime/starts.py).
 
 A loader calls `report()` at each step it completes (a tensor read, a layer built);
 the stage's process installs the reporter, which moves the stage's heartbeat on. In a

@@ -60,7 +60,7 @@ from ipc.wire import Register
 # The stages' names: records are routed by these (stages/registry.py builds on them).
 INTAKE, CACHE, SCHEDULER, TOWER, SENDER, REAPER = "intake", "cache", "scheduler", "tower", "sender", "reaper"
 PREPROCESS = "preprocess"
-# Not a stage: the source of the records the supervisor writes (pipeline/wiring.py's edges).
+# Not a stage: the source of the records the supervisor writes (pipeline/runtime/wiring.py's edges).
 SUPERVISOR = "supervisor"
 OWNER_SUPERVISOR, OWNER_INTAKE, OWNER_CACHE, OWNER_SCHEDULER, OWNER_TOWER, OWNER_SENDER, OWNER_REAPER = range(7)
 # After the tower replicas' (OWNER_REAPER + 1 .. + 7, stages/registry.py), inside the

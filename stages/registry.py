@@ -1,7 +1,7 @@
 """The stages: their names, the module that builds each, and the roles a runtime needs.
 
 A new stage is a module with `build(env, name, emit, custody)`, a line here, its edges
-in pipeline/wiring.py and its records in stages/records.py.
+in pipeline/runtime/wiring.py and its records in stages/records.py.
 
 The stage list depends on one setting, `tower_replicas`: one tower is the stage
 `tower`, N > 1 are `tower0` .. `tower{N-1}` (one process, one GPU, one owner number

@@ -27,7 +27,7 @@ class TowerStage(Stage):
     Jobs start as batches arrive (an asynchronous device queues them); results go
     out in order as jobs finish. Pixels are dropped once the batch is done; the
     item's output lease travels on to the sender and the cache, which take it over.
-    The tower itself belongs to whoever built it (pipeline/loop.py's Env closes it).
+    The tower itself belongs to whoever built it (pipeline/runtime/loop.py's Env closes it).
     `name` is the replica's stage name (stages/registry.py), which gives its owner number.
     """
 

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, settings
 
 from ipc import shm
 
-# Before any test module imports grpc, which reads it at import: see pipeline/supervisor.py.
+# Before any test module imports grpc, which reads it at import: see pipeline/runtime/supervisor.py.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 # Profiles: `ci` (CI set: fixed examples, derandomized so a run is reproducible), `dev`

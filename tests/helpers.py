@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 import traceback
 
-from pipeline.background import Running, free_port  # noqa: F401 (tests import it from here)
-from pipeline.config import WorkerConfig
+from pipeline.runtime.background import Running, free_port  # noqa: F401 (tests import it from here)
+from pipeline.cli.config import WorkerConfig
 from pipeline.testing.sim import PATCH_DIM, expected_sim_rows, image  # noqa: F401
 from pipeline.testing.workers import sim_config, start_worker  # noqa: F401
 

@@ -25,9 +25,9 @@ import zmq
 from ipc import shm, wire
 from ipc.arena import Arena
 from ipc.rooms import RoomTable
-from pipeline import wiring
-from pipeline.client import Client, Item
-from pipeline.receiver import Receiver
+from pipeline.runtime import wiring
+from pipeline.peers.client import Client, Item
+from pipeline.peers.receiver import Receiver
 from stages import registry
 from stages.intake import IntakeStage
 from stages.records import RoomFailure, RoomOpened

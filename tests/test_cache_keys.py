@@ -16,9 +16,9 @@ import pytest
 
 from ipc import shm, wire
 from ipc.arena import Arena
-from pipeline.client import Client, Item
-from pipeline.config import ConfigError, load_config
-from pipeline.receiver import Receiver
+from pipeline.peers.client import Client, Item
+from pipeline.cli.config import ConfigError, load_config
+from pipeline.peers.receiver import Receiver
 from stages.cache import CacheStage
 from stages.embedding_cache import EmbeddingCache, cache_key, read_key_file, run_key
 from stages.records import OWNER_CACHE, WorkItem

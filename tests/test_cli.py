@@ -1,4 +1,4 @@
-"""The command line (pipeline/cli.py: `epd-worker`, and run.py its shim): subcommands, --help,
+"""The command line (pipeline/cli/main.py: `epd-worker`, and run.py its shim): subcommands, --help,
 `config`, exit codes, and the logs of a running pipeline."""
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import types
 
 import pytest
 
-from pipeline import cli
-from pipeline.client import Client, Item
-from pipeline.config import FIELDS, flag_name
-from pipeline.receiver import Receiver
+from pipeline.cli import main as cli
+from pipeline.peers.client import Client, Item
+from pipeline.cli.config import FIELDS, flag_name
+from pipeline.peers.receiver import Receiver
 from tests.helpers import PipelineWorker, image, sim_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -149,9 +149,9 @@ def test_bad_file_and_bad_flags_exit_2(tmp_path, capsys):
 
 def test_status_is_handed_the_effective_configuration(monkeypatch, capsys):
     calls = []
-    fake = types.ModuleType("pipeline.status")
+    fake = types.ModuleType("pipeline.cli.status")
     fake.main = lambda cfg, as_json: calls.append((cfg, as_json)) or 4
-    monkeypatch.setitem(sys.modules, "pipeline.status", fake)
+    monkeypatch.setitem(sys.modules, "pipeline.cli.status", fake)
     monkeypatch.setenv("EPD_RING_BYTES", "4096")
     code, _, _ = exits(["status", "--json", "--shm-prefix", "other"], capsys)
     assert code == 4

@@ -17,8 +17,8 @@ import time
 import numpy as np
 import pytest
 
-from pipeline.client import Client, Item
-from pipeline.receiver import Receiver
+from pipeline.peers.client import Client, Item
+from pipeline.peers.receiver import Receiver
 from stages.registry import SENDER
 from tests.helpers import image, sim_config, start_worker
 

@@ -11,7 +11,7 @@ import tomllib
 
 import pytest
 
-from pipeline.config import (FIELDS, SIZE_FORMS, ConfigError, WorkerConfig, add_flags, flags_given,
+from pipeline.cli.config import (FIELDS, SIZE_FORMS, ConfigError, WorkerConfig, add_flags, flags_given,
                              format_config, load_config, parse_numa, parse_size, setup_logging)
 
 
@@ -302,8 +302,8 @@ def test_the_tower_takes_one_torch_thread_per_cpu_it_may_run_on():
     import sys
 
     code = ("import os, torch\n"
-            "from pipeline.config import WorkerConfig\n"
-            "from pipeline.loop import Env\n"
+            "from pipeline.cli.config import WorkerConfig\n"
+            "from pipeline.runtime.loop import Env\n"
             "torch.set_num_threads(4)\n"
             "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
             "Env(WorkerConfig(tower='qwen2.5-vl', tower_config='tiny', gpus='0'), '00000000', None).tower(0)\n"

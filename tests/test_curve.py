@@ -18,9 +18,11 @@ import zmq
 import zmq.auth
 
 from ipc import wire
-from pipeline import cli, curve, metrics
-from pipeline.client import Client, Item
-from pipeline.receiver import Receiver
+from pipeline.cli import main as cli
+from pipeline.peers import curve
+from pipeline.ops import metrics
+from pipeline.peers.client import Client, Item
+from pipeline.peers.receiver import Receiver
 from tests.helpers import expected_sim_rows, free_port, image, sim_config, start_worker
 
 pytestmark = pytest.mark.timeout(120)

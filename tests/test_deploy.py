@@ -18,9 +18,9 @@ import pytest
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is in the test extra: pip install -e '.[test]'")
 
-from pipeline import wiring  # noqa: E402
-from pipeline.cli import EXIT_CODES  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
+from pipeline.runtime import wiring  # noqa: E402
+from pipeline.cli.main import EXIT_CODES  # noqa: E402
+from pipeline.cli.config import load_config  # noqa: E402
 from stages import registry  # noqa: E402
 from tests.helpers import PipelineWorker, sim_config  # noqa: E402
 
@@ -155,7 +155,7 @@ def pod_config(kinds: dict, container: dict, tmp_path: Path):
 
 
 def shm_needed(cfg) -> int:
-    """What the worker checks /dev/shm for at start (pipeline/runtime.py, supervisor.py):
+    """What the worker checks /dev/shm for at start (pipeline/runtime/serving.py, supervisor.py):
     both arenas, the receiver, told and held tables, and one ring per edge."""
     return (cfg.pixel_arena_bytes + cfg.embedding_arena_bytes + wiring.tables_bytes(cfg)
             + len(wiring.edges(cfg.tower_replicas)) * cfg.ring_bytes)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import run
-from pipeline.config import WorkerConfig
+from pipeline.cli.config import WorkerConfig
 from tests.helpers import expected_sim_rows, free_port, start_worker
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,18 +47,18 @@ def test_readme_starts_with_the_two_commands_and_stays_short():
 
 
 def test_readme_layout_names_every_module_and_no_other():
-    """Every module of ipc/, stages/ and pipeline/ by its file name, a folder within them as `name/`."""
+    """Every module of ipc/, stages/ and pipeline/ (their subfolders too) by its file name, a folder as `name/`."""
     layout = text(README).split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
-    named = set(re.findall(r"`(\w+\.py|\w+/)`", layout))
+    named = set(re.findall(r"`(?:\w+/)*?(\w+\.py|\w+/)`", layout))  # a path names its last part
     folders = ("ipc", "stages", "pipeline")
     present = set()
     for folder in folders:
-        present |= {p.name for p in (ROOT / folder).glob("*.py") if p.name != "__init__.py"}
-        present |= {p.name + "/" for p in (ROOT / folder).iterdir() if p.is_dir() and any(p.glob("*.py"))}
+        present |= {p.name for p in (ROOT / folder).rglob("*.py") if p.name != "__init__.py"}
+        present |= {p.name + "/" for p in (ROOT / folder).rglob("*") if p.is_dir() and any(p.glob("*.py"))}
     missing = sorted(present - named)
     assert not missing, f"README.md's Layout does not name {missing}"
     everything = {p.name for p in ROOT.glob("*.py")} | {p.name + "/" for p in ROOT.iterdir() if p.is_dir()}
-    for folder in folders:
+    for folder in (*folders, "tests"):
         everything |= {p.name for p in (ROOT / folder).rglob("*.py")}
         everything |= {p.name + "/" for p in (ROOT / folder).rglob("*") if p.is_dir()}
     stray = sorted(named - everything)

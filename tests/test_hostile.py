@@ -22,8 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ipc import shm
-from pipeline.client import Client, Item
-from pipeline.receiver import Receiver
+from pipeline.peers.client import Client, Item
+from pipeline.peers.receiver import Receiver
 from tests.helpers import PATCH_DIM, expected_sim_rows, free_port, image, sim_config, start_worker
 
 pytestmark = pytest.mark.timeout(300)
@@ -769,7 +769,7 @@ def test_status_rule_names_own_sockets_and_ipc_dirs(tmp_path):
     assert rule.problem("tcp://127.0.0.1:17601") is None
     assert rule.problem("tcp://192.0.2.7:17600") is None  # another host's port 17600 (TEST-NET-1)
 
-    from pipeline.config import ConfigError, WorkerConfig
+    from pipeline.cli.config import ConfigError, WorkerConfig
 
     WorkerConfig(status_ipc_dirs=str(allowed)).resolved().validate()
     with pytest.raises(ConfigError, match="every user may write") as e:
@@ -1248,7 +1248,7 @@ def test_a_failed_heard_before_the_receivers_alloc_concludes_the_room_when_it_al
 
 # ================================================================ bootstrap under CurveZMQ
 
-from pipeline import curve  # noqa: E402
+from pipeline.peers import curve  # noqa: E402
 from tests.test_curve import Pusher, certs, peer  # noqa: E402,F401 (certs: the key pairs' fixture)
 
 REFUSED_KEY = "naming a receiver registered under another key"

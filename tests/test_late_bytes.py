@@ -20,7 +20,7 @@ import pytest
 
 from ipc import tcp_table, wire
 from ipc.rooms import RoomState
-from pipeline.client import Client, Item
+from pipeline.peers.client import Client, Item
 from tests.helpers import expected_sim_rows, image, sim_config, start_worker
 from tests.test_protocol11 import BIG_GRID, WIDE, StalledReceiver, room_state, wait_for
 

@@ -1,5 +1,10 @@
 """The layers only point down: ipc/ <- stages/ <- pipeline/, and no import circles.
 
+Inside pipeline/, each part may import only the parts below it (LAYERS): the peer
+libraries (peers/) nothing of the worker; the runtime the settings (cli/config.py), the
+operations and the fronts it serves; the integrations the wiring; the command line
+everything. Nothing but pipeline/testing/ and the tests imports pipeline/testing/.
+
 Every import counts, the ones inside functions too: a lazy import is still a
 dependency, and hiding a circle behind one is what this test exists to stop.
 """
@@ -13,8 +18,18 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("ipc", "stages", "pipeline")
 # What each package may import of the project (itself always).
 ALLOWED = {"ipc": {"ipc"}, "stages": {"ipc", "stages"}, "pipeline": {"ipc", "stages", "pipeline"}}
-# Libraries for the other side of the wire (gateways, prefill ranks): no stage inside.
-CLIENT_LIBRARIES = {"pipeline/client.py", "pipeline/receiver.py", "pipeline/routing.py"}
+# What each part of pipeline/ may import of pipeline/ (itself always; by module prefix).
+LAYERS = {
+    "pipeline.peers": (),  # for the other side of the wire (gateways, prefill ranks)
+    "pipeline.ops": ("pipeline.peers", "pipeline.cli.config"),
+    "pipeline.integrations": ("pipeline.peers", "pipeline.ops", "pipeline.runtime.wiring"),
+    "pipeline.runtime": ("pipeline.peers", "pipeline.ops", "pipeline.cli.config", "pipeline.integrations"),
+    "pipeline.cli": ("pipeline.peers", "pipeline.ops", "pipeline.runtime", "pipeline.integrations"),
+    "pipeline.testing": ("pipeline.peers", "pipeline.ops", "pipeline.runtime", "pipeline.integrations",
+                         "pipeline.cli"),
+}
+# Libraries for the other side of the wire: no stage inside either.
+CLIENT_LIBRARIES = "pipeline/peers/"
 
 
 def module_of(path: Path, root: Path) -> str:
@@ -76,12 +91,29 @@ def violations(root: Path = ROOT) -> list[str]:
                 if top not in ALLOWED[pkg]:
                     problems.append(f"{rel}:{line} imports {_file(target, root)}: {pkg}/ may import only "
                                     f"{', '.join(sorted(ALLOWED[pkg]))}")
-                elif rel in CLIENT_LIBRARIES and top == "stages":
+                elif rel.startswith(CLIENT_LIBRARIES) and top == "stages":
                     problems.append(f"{rel}:{line} imports {_file(target, root)}: a client library "
                                     f"must not pull in a stage")
+                elif top == "pipeline" and (why := _layer_problem(mod, target)):
+                    problems.append(f"{rel}:{line} imports {_file(target, root)}: {why}")
     for cycle in _cycles(graph):
         problems.append("import circle: " + " -> ".join(_file(m, root) for m in cycle + cycle[:1]))
     return problems
+
+
+def _part(module: str) -> str | None:
+    return next((p for p in LAYERS if module == p or module.startswith(p + ".")), None)
+
+
+def _layer_problem(mod: str, target: str) -> str:
+    """Why `mod` may not import `target` (both in pipeline/), or ""."""
+    here, there = _part(mod), _part(target)
+    if here is None or there is None or here == there:
+        return ""
+    if any(target == a or target.startswith(a + ".") for a in LAYERS[here]):
+        return ""
+    allowed = ", ".join(LAYERS[here]) or "nothing else of pipeline/"
+    return f"{here.replace('.', '/')}/ may import only {allowed}"
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -147,18 +179,18 @@ def _copy_tree(tmp_path: Path) -> Path:
 def test_a_planted_upward_import_is_named_with_both_files(tmp_path):
     root = _copy_tree(tmp_path)
     ring = root / "ipc" / "ring.py"
-    ring.write_text(ring.read_text() + "\n\ndef _planted():\n    from pipeline import supervisor\n")
+    ring.write_text(ring.read_text() + "\n\ndef _planted():\n    from pipeline.runtime import supervisor\n")
     found = violations(root)
     assert found[0].startswith("ipc/ring.py:") \
-        and "imports pipeline/supervisor.py" in found[0], found
+        and "imports pipeline/runtime/supervisor.py" in found[0], found
 
 
 def test_a_client_library_that_imports_a_stage_is_named(tmp_path):
     root = _copy_tree(tmp_path)
-    client = root / "pipeline" / "client.py"
+    client = root / "pipeline" / "peers" / "client.py"
     client.write_text(client.read_text() + "\nfrom stages import intake\n")
     found = violations(root)
-    assert len(found) == 1 and "pipeline/client.py" in found[0] and "stages/intake.py" in found[0], found
+    assert len(found) == 1 and "pipeline/peers/client.py" in found[0] and "stages/intake.py" in found[0], found
 
 
 def test_a_planted_circle_is_named_with_its_files(tmp_path):
@@ -168,3 +200,20 @@ def test_a_planted_circle_is_named_with_its_files(tmp_path):
     found = violations(root)
     assert len(found) == 1 and found[0].startswith("import circle:") \
         and "ipc/ring.py" in found[0] and "ipc/shm.py" in found[0], found
+
+
+def test_a_peer_library_that_imports_the_runtime_is_named(tmp_path):
+    root = _copy_tree(tmp_path)
+    receiver = root / "pipeline" / "peers" / "receiver.py"
+    receiver.write_text(receiver.read_text() + "\nfrom pipeline.runtime import wiring\n")
+    found = violations(root)
+    assert len(found) == 1 and "pipeline/peers/receiver.py" in found[0] \
+        and "pipeline/runtime/wiring.py" in found[0] and "pipeline/peers/ may import only" in found[0], found
+
+
+def test_production_code_that_imports_the_test_support_is_named(tmp_path):
+    root = _copy_tree(tmp_path)
+    loop = root / "pipeline" / "runtime" / "loop.py"
+    loop.write_text(loop.read_text() + "\nfrom pipeline.testing import sim\n")
+    found = violations(root)
+    assert len(found) == 1 and "pipeline/runtime/loop.py" in found[0] and "pipeline/testing/sim.py" in found[0], found

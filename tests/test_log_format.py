@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from pipeline.client import Client, Item
-from pipeline.config import setup_logging
+from pipeline.peers.client import Client, Item
+from pipeline.cli.config import setup_logging
 from tests.helpers import PipelineWorker, ThreadedWorker, image, sim_config
 
 pytestmark = pytest.mark.timeout(300)

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from ipc import media, wire
-from pipeline.client import Client, Item, image_item
-from pipeline.receiver import Receiver
+from pipeline.peers.client import Client, Item, image_item
+from pipeline.peers.receiver import Receiver
 from tests.helpers import sim_config, start_worker
 from tests.test_media import CORPUS, HOSTILE
 
@@ -178,7 +178,7 @@ def test_the_checkpoints_mean_and_std_are_the_workers(layout, tmp_path):
     import json
     from types import SimpleNamespace
 
-    from pipeline.config import WorkerConfig
+    from pipeline.cli.config import WorkerConfig
     from stages.preprocess import image_settings
 
     pc = {"image_mean": [0.1, 0.2, 0.3], "image_std": [0.4, 0.5, 0.6], "rescale_factor": 0.5}

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.client import Client, Item
+from pipeline.peers.client import Client, Item
 from ipc.stats import REASON_CLASSES, ReasonCode, reason_class
-from pipeline.metrics import StageTotals, totals_of
-from pipeline.receiver import Receiver
-from pipeline.supervisor import PipelineError
+from pipeline.ops.metrics import StageTotals, totals_of
+from pipeline.peers.receiver import Receiver
+from pipeline.runtime.supervisor import PipelineError
 from stages.records import RoomFailure
 from tests.helpers import PipelineWorker, ThreadedWorker, image, sim_config
 
@@ -289,7 +289,7 @@ def test_totals_of_a_dead_stage_are_carried():
 
 def test_build_versions_import_nothing():
     """The supervisor has no torch loaded: epd_build_info's versions come from package metadata."""
-    code = ("import sys; from pipeline.metrics import build_versions; v = build_versions(); "
+    code = ("import sys; from pipeline.ops.metrics import build_versions; v = build_versions(); "
             "assert 'torch' not in sys.modules and 'mooncake' not in sys.modules, sorted(sys.modules); "
             "print(v)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
@@ -301,7 +301,7 @@ def test_build_versions_import_nothing():
 # ---------------------------------------------------------------- bounds of the endpoint
 
 def test_the_endpoint_binds_off_loopback_only_when_the_operator_accepts_the_risk():
-    from pipeline.config import ConfigError, WorkerConfig
+    from pipeline.cli.config import ConfigError, WorkerConfig
 
     WorkerConfig(metrics_endpoint="127.0.0.1:9100").resolved().validate()
     WorkerConfig(metrics_endpoint="[::1]:9100").resolved().validate()

@@ -8,8 +8,8 @@ import threading
 import psutil
 import pytest
 
-from pipeline import numa
-from pipeline.config import ConfigError
+from pipeline.ops import numa
+from pipeline.cli.config import ConfigError
 from stages import registry
 from tests.helpers import fork_call, sim_config, wait_child
 
@@ -225,7 +225,7 @@ def test_first_touch_moves_only_the_calling_thread_and_restores(tmp_path):
 
 def test_supervisor_checks_numa_before_making_anything(shm_prefix, tmp_path):
     from ipc import shm
-    from pipeline.supervisor import Supervisor
+    from pipeline.runtime.supervisor import Supervisor
 
     with pytest.raises(ConfigError, match="numa puts"):
         Supervisor(sim_config(shm_prefix, tmp_path, numa="63"))
@@ -235,7 +235,7 @@ def test_supervisor_checks_numa_before_making_anything(shm_prefix, tmp_path):
 def test_pipeline_stages_run_on_their_planned_cpus(shm_prefix, tmp_path, monkeypatch):
     """The supervisor hands each stage process its CPUs (here a plan made up for this
     2-CPU machine, one stage alone on the last CPU) and the stage pins itself."""
-    from pipeline.boards import Heartbeats
+    from pipeline.runtime.boards import Heartbeats
     from tests.helpers import PipelineWorker
 
     allowed = sorted(os.sched_getaffinity(0))

@@ -1,6 +1,6 @@
 """`pip install .` as a gateway or a prefill rank runs it: in a fresh virtual environment
 (no system site-packages) the package and its base dependencies install from the index,
-`pipeline.client` and `pipeline.receiver` import without torch, and the `epd-worker`
+`pipeline.peers.client` and `pipeline.peers.receiver` import without torch, and the `epd-worker`
 console script lists the subcommands. On Python 3.11 (this suite's), and on 3.12 and
 3.13 where such an interpreter is on this machine."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import COMMANDS
+from pipeline.cli.main import COMMANDS
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(300)
@@ -24,14 +24,14 @@ HEAVY = ("torch", "transformers", "matplotlib")
 
 IMPORTS = f"""
 import importlib.util, sys
-import pipeline.client, pipeline.receiver
-assert pipeline.client.__file__.startswith(sys.prefix), pipeline.client.__file__
+import pipeline.peers.client, pipeline.peers.receiver
+assert pipeline.peers.client.__file__.startswith(sys.prefix), pipeline.peers.client.__file__
 heavy = [m for m in {HEAVY!r} if importlib.util.find_spec(m) is not None]
 assert not heavy, f"importable in a base install: {{heavy}}"
 assert not [m for m in sys.modules if m.split(".")[0] in {HEAVY!r}]
 from ipc.transport import TransportError
 try:  # no Mooncake build is a base dependency: the receiver says which to install
-    pipeline.receiver.Receiver("rx", "tcp://127.0.0.1:9")
+    pipeline.peers.receiver.Receiver("rx", "tcp://127.0.0.1:9")
 except TransportError as e:
     assert "mooncake" in str(e).lower(), e
 else:

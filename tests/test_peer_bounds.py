@@ -16,9 +16,9 @@ import pytest
 import zmq
 
 from ipc import wire
-from pipeline.client import Client, Item
-from pipeline.config import WorkerConfig
-from pipeline.receiver import Receiver
+from pipeline.peers.client import Client, Item
+from pipeline.cli.config import WorkerConfig
+from pipeline.peers.receiver import Receiver
 from tests.helpers import expected_sim_rows, fork_call, image, sim_config, start_worker, wait_child
 
 pytestmark = pytest.mark.timeout(300)
@@ -140,7 +140,7 @@ def test_a_register_flood_leaves_the_worker_serving(env):
 def _limits_in_child(soft: int, hard: int, sockets: int, out) -> None:
     import resource
 
-    from pipeline.runtime import StartError, raise_open_file_limit
+    from pipeline.runtime.serving import StartError, raise_open_file_limit
 
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     cfg = WorkerConfig(max_status_sockets=sockets)
@@ -156,7 +156,7 @@ def test_the_worker_raises_its_open_file_limit_or_names_the_bound_to_lower(tmp_p
     """At start the soft RLIMIT_NOFILE goes up (to the hard limit at most) to what
     max_status_sockets needs; past the hard limit the start fails naming the setting.
     (In a child: a hard limit lowered cannot be raised again.)"""
-    from pipeline.runtime import open_files_needed
+    from pipeline.runtime.serving import open_files_needed
 
     need = open_files_needed(WorkerConfig(max_status_sockets=256))
     out = tmp_path / "out"

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from pipeline.client import Client, Item
-from pipeline.receiver import Receiver
+from pipeline.peers.client import Client, Item
+from pipeline.peers.receiver import Receiver
 from stages import registry
 from tests.helpers import PipelineWorker, expected_sim_rows, free_port, image, sim_config
 
@@ -296,7 +296,7 @@ def test_an_alloc_held_for_an_unseen_room_is_answered_after_the_sender_dies(shm_
 
 _STOPPABLE_RECEIVER = """
 import sys
-from pipeline.receiver import Receiver
+from pipeline.peers.receiver import Receiver
 bootstrap, room = sys.argv[1], int(sys.argv[2])
 r = Receiver("rx-stopped", bootstrap, buffer_bytes=1 << 20)
 r.alloc(room, 0, span=4, hidden=64, dtype="bfloat16", deepstack_width=32, fanout=2, row_start=2, n_rows=2)

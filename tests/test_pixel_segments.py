@@ -10,7 +10,7 @@ import sys
 import numpy as np
 
 from ipc import shm
-from pipeline.client import Client, Item
+from pipeline.peers.client import Client, Item
 from pipeline.testing.sim import image
 from tests.helpers import sim_config, start_worker
 
@@ -26,7 +26,7 @@ def test_a_worker_at_start_removes_the_segments_of_a_dead_creator(shm_prefix, tm
     # is no one's to remove but a worker's.
     dead = subprocess.run([sys.executable, "-c", (
         "import os, numpy as np\n"
-        "from pipeline.client import Client, Item\n"
+        "from pipeline.peers.client import Client, Item\n"
         f"c = Client('ipc://{tmp_path}/nobody.sock', {shm_prefix!r})\n"
         "c.message(1, 'r1', [Item('image', [[1, 2, 2]], np.zeros((4, 1176), np.float32))])\n"
         "os._exit(0)")], cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})

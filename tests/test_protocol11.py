@@ -27,8 +27,8 @@ import zmq
 from ipc import wire
 from ipc.arena import StaleLease
 from ipc.rooms import RoomState
-from pipeline.client import Client, Item
-from pipeline.receiver import Receiver
+from pipeline.peers.client import Client, Item
+from pipeline.peers.receiver import Receiver
 from stages.records import OWNER_SENDER
 from tests.helpers import expected_sim_rows, image, sim_config, start_worker
 

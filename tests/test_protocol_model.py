@@ -54,8 +54,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from ipc import shm
 from ipc.told import incarnation
-from pipeline.client import Client, Item, unlink_segment
-from pipeline.receiver import Receiver
+from pipeline.peers.client import Client, Item, unlink_segment
+from pipeline.peers.receiver import Receiver
 from stages import registry
 from tests.helpers import PATCH_DIM, expected_sim_rows, image, sim_config, start_worker
 

@@ -13,10 +13,10 @@ import zmq
 
 import stages.records as records
 from ipc import wire
-from pipeline import wiring
-from pipeline.client import Client, Item
-from pipeline.loop import QueueChannel
-from pipeline.receiver import Receiver
+from pipeline.runtime import wiring
+from pipeline.peers.client import Client, Item
+from pipeline.runtime.loop import QueueChannel
+from pipeline.peers.receiver import Receiver
 from tests.helpers import image, sim_config, start_worker
 
 # Routes only a stage's death takes: the pipeline's fault tests and the chaos soak take them.

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from pipeline import status
-from pipeline.client import Client
-from pipeline.receiver import Receiver
+from pipeline.cli import status
+from pipeline.peers.client import Client
+from pipeline.peers.receiver import Receiver
 from stages import registry
 from tests.helpers import sim_config, start_worker
 from tests.test_pipeline import Load, crash_loop, stage_pid, wait_restarted

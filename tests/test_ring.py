@@ -734,7 +734,7 @@ def test_shared_doorbell_and_wait_any(shm_prefix):
 
 
 def test_release_one_gives_records_back_one_at_a_time_including_wrapped_ones(make_ring):
-    """What a consumer that settles each record does (pipeline/loop.py): peek a batch,
+    """What a consumer that settles each record does (pipeline/runtime/loop.py): peek a batch,
     then give the records back one by one, without knowing how they are framed."""
     r = make_ring(64)
     with pytest.raises(RingError, match="holds no record"):

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from ipc import shm, wire
-from pipeline.client import Item, RoutedClient, WorkerAddress, routing_key
-from pipeline.receiver import Receiver
-from pipeline.routing import HashRing
+from pipeline.peers.client import Item, RoutedClient, WorkerAddress, routing_key
+from pipeline.peers.receiver import Receiver
+from pipeline.peers.routing import HashRing
 from ipc.wire import content_hash
 from tests.helpers import ThreadedWorker, expected_sim_rows, image, sim_config
 

@@ -18,8 +18,8 @@ from ipc import shm
 from ipc.arena import Arena
 from ipc.rooms import RoomTable
 from ipc import wire
-from pipeline.client import Client, Item
-from pipeline.receiver import Receiver
+from pipeline.peers.client import Client, Item
+from pipeline.peers.receiver import Receiver
 from stages import registry, segments
 from stages.intake import IntakeStage
 from stages.records import RoomFailure, WorkItem

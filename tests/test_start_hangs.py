@@ -21,8 +21,8 @@ import psutil
 import pytest
 
 from ipc import shm
-from pipeline.client import Client, Item
-from pipeline.receiver import Receiver
+from pipeline.peers.client import Client, Item
+from pipeline.peers.receiver import Receiver
 from tests.helpers import free_port, image
 from tests.test_supervised import Listener, probe_until
 
@@ -335,14 +335,14 @@ class _Silent:
 
 
 def _start(name: str, short=8.0, stall=4.0, cap=300.0):
-    from pipeline.starts import Start
+    from pipeline.runtime.starts import Start
 
     return Start(name, _Alive(), _Silent(), spawned_at=100.0, short_s=short, stall_s=stall, cap_s=cap)
 
 
 def test_a_stage_that_loads_nothing_has_the_short_bound_whatever_its_heartbeat_says():
-    from pipeline.boards import Heartbeats
-    from pipeline.starts import FAILED, WAITING
+    from pipeline.runtime.boards import Heartbeats
+    from pipeline.runtime.starts import FAILED, WAITING
 
     row = [0.0] * Heartbeats.FIELDS
     row[Heartbeats.BEAT] = 107.9
@@ -353,8 +353,8 @@ def test_a_stage_that_loads_nothing_has_the_short_bound_whatever_its_heartbeat_s
 
 
 def test_a_tower_is_given_up_only_when_its_load_stops_progressing_or_at_the_cap():
-    from pipeline.boards import Heartbeats
-    from pipeline.starts import FAILED, WAITING
+    from pipeline.runtime.boards import Heartbeats
+    from pipeline.runtime.starts import FAILED, WAITING
 
     row = [0.0] * Heartbeats.FIELDS
     st = _start("tower0")

@@ -17,8 +17,8 @@ import psutil
 import pytest
 
 from ipc import shm
-from pipeline.config import WorkerConfig
-from pipeline.boards import Heartbeats
+from pipeline.cli.config import WorkerConfig
+from pipeline.runtime.boards import Heartbeats
 from stages import registry
 from tests.helpers import free_port, sim_config, start_worker
 
@@ -355,7 +355,7 @@ def test_a_cpu_without_the_rings_barriers_is_refused_before_anything_is_made(mon
                                                                              mode):
     import platform
 
-    from pipeline.runtime import StartError
+    from pipeline.runtime.serving import StartError
 
     monkeypatch.setattr(platform, "machine", lambda: "riscv64")
     with pytest.raises(StartError, match="refusing to start on a riscv64 CPU"):

@@ -13,10 +13,10 @@ import time
 import pytest
 
 from ipc import shm
-from pipeline import status
-from pipeline.client import Client, Item
-from pipeline.config import WorkerConfig
-from pipeline.receiver import Receiver
+from pipeline.cli import status
+from pipeline.peers.client import Client, Item
+from pipeline.cli.config import WorkerConfig
+from pipeline.peers.receiver import Receiver
 from tests.helpers import PipelineWorker, ThreadedWorker, fork_call, image, sim_config, wait_child
 
 pytestmark = pytest.mark.timeout(300)
@@ -130,7 +130,7 @@ def test_run_py_status_without_a_worker_exits_4(shm_prefix):
 def test_boards_name_the_run_stages_and_refuse_another_kind(shm_prefix, replicas):
     """The boards `run.py status` reads: a reader finds the run's stages from the header,
     sees what a writer wrote, and refuses a segment of another kind or a half-made one."""
-    from pipeline.boards import DrainOrder, Heartbeats, IntakeJournal, StatsBoard
+    from pipeline.runtime.boards import DrainOrder, Heartbeats, IntakeJournal, StatsBoard
     from stages import registry
 
     run_id = shm.new_run_id()

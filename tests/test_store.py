@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from ipc import shm, wire
-from pipeline.client import Client, Item
-from pipeline import status
-from pipeline.config import ConfigError, WorkerConfig
-from pipeline.receiver import Receiver
+from pipeline.peers.client import Client, Item
+from pipeline.cli import status
+from pipeline.cli.config import ConfigError, WorkerConfig
+from pipeline.peers.receiver import Receiver
 from pipeline.testing.store_master import StoreMaster
 from stages.embedding_cache import make_key
 from stages.records import RoomAbandoned

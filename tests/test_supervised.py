@@ -1,5 +1,5 @@
-"""Under a process supervisor: the systemd notify protocol (pipeline/notify.py), the HTTP
-probes next to /metrics (pipeline/metrics.py), `run.py serve` speaking both to a fake
+"""Under a process supervisor: the systemd notify protocol (pipeline/ops/notify.py), the HTTP
+probes next to /metrics (pipeline/ops/metrics.py), `run.py serve` speaking both to a fake
 systemd, and a demo whose stderr holds no line of Mooncake's at the default log level."""
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import urllib.request
 
 import pytest
 
-from pipeline.client import Client, Item
-from pipeline.metrics import MetricsServer, Snapshot, Totals
-from pipeline.notify import Notifier
-from pipeline.receiver import Receiver
+from pipeline.peers.client import Client, Item
+from pipeline.ops.metrics import MetricsServer, Snapshot, Totals
+from pipeline.ops.notify import Notifier
+from pipeline.peers.receiver import Receiver
 from tests.helpers import free_port, image
 
 pytestmark = pytest.mark.timeout(180)
@@ -427,7 +427,7 @@ def test_a_stop_flag_set_by_a_signal_handler_can_be_interrupted_by_a_second_sign
     manager or an operator signalling the process group adds theirs); a stage whose handler
     set a threading.Event hung with the second handler waiting for the lock the first held,
     until the supervisor SIGKILLed it 5 s later (the dense chaos soak's "-9 at shutdown")."""
-    from pipeline.runtime import SignalFlag
+    from pipeline.runtime.serving import SignalFlag
 
     flag = SignalFlag()
     assert _survives_being_interrupted_by_itself(lambda *sig: flag.set(*sig))

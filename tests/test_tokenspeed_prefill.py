@@ -26,9 +26,9 @@ from smg_grpc_proto.generated import (common_pb2, tokenspeed_encoder_pb2, tokens
                                       tokenspeed_scheduler_pb2, tokenspeed_scheduler_pb2_grpc)
 
 from ipc import shm
-from pipeline.background import free_port
-from pipeline.client import Client, Item
-from pipeline.receiver import Receiver
+from pipeline.runtime.background import free_port
+from pipeline.peers.client import Client, Item
+from pipeline.peers.receiver import Receiver
 from pipeline.testing.sim import expected_sim_rows, image
 from pipeline.testing.workers import sim_config, start_worker
 from stages import registry

@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from ipc import wire
-from pipeline.tokenspeed_front import FrameError, translate
+from pipeline.integrations.tokenspeed_front import FrameError, translate
 from stages.alloc_checks import tiling_problem
 from stages.records import OWNER_INTAKE, OWNER_TOWER, ReadyItem, Registered, RoomOpened, ShardWritten
 from stages.registry import INTAKE, TOWER
@@ -92,7 +92,7 @@ def test_malformed_frames_are_refused_with_a_reason(parts):
 
 
 def test_a_refused_pre_alloc_names_where_to_answer_when_it_can_be_read():
-    from pipeline.tokenspeed_front import refused_room
+    from pipeline.integrations.tokenspeed_front import refused_room
 
     assert refused_room(_pre_alloc(dtype=b"torch.int8")) == (1311768467463790320, "tcp://127.0.0.1:38649")
     assert refused_room(_pre_alloc(room=b"-1")) is None
@@ -120,7 +120,7 @@ def test_status_frames_are_three_ascii_integers(room):
 
 @pytest.mark.parametrize("key", ["tokenspeed_grpc", "tokenspeed_bootstrap"])
 def test_the_fronts_bind_off_loopback_only_when_the_operator_accepts_the_risk(key):
-    from pipeline.config import ConfigError, WorkerConfig
+    from pipeline.cli.config import ConfigError, WorkerConfig
 
     WorkerConfig(**{key: "127.0.0.1:9000"}).resolved().validate()
     with pytest.raises(ConfigError, match="allow-insecure-network"):
@@ -151,8 +151,8 @@ def stalled_intake(tmp_path):
 def _grpc_front(ctx, intake, monkeypatch, draining=lambda: False):
     from types import SimpleNamespace
 
-    from pipeline import tokenspeed_grpc
-    from pipeline.background import free_port
+    from pipeline.integrations import tokenspeed_grpc
+    from pipeline.runtime.background import free_port
 
     monkeypatch.setattr(tokenspeed_grpc, "MAX_CONCURRENT_RPCS", 4)
     monkeypatch.setattr(tokenspeed_grpc, "SEND_TIMEOUT_S", 0.5)
@@ -299,8 +299,8 @@ def test_an_accepted_call_takes_the_segment_and_only_then_unlinks_its_name(monke
 def test_a_frame_flood_pushes_back_on_the_prefill(stalled_intake):
     import zmq
 
-    from pipeline.background import free_port
-    from pipeline.tokenspeed_front import FrameFront
+    from pipeline.runtime.background import free_port
+    from pipeline.integrations.tokenspeed_front import FrameFront
 
     ctx, _ = stalled_intake
     stalled = ctx.socket(zmq.PULL)  # the sender, not reading
@@ -362,8 +362,8 @@ def test_refused_pre_allocs_naming_many_endpoints_open_a_bounded_number_of_socke
 
     import zmq
 
-    from pipeline.background import free_port
-    from pipeline.tokenspeed_front import MAX_STATUS_SOCKETS, FrameFront
+    from pipeline.runtime.background import free_port
+    from pipeline.integrations.tokenspeed_front import MAX_STATUS_SOCKETS, FrameFront
 
     ctx, intake = stalled_intake
     status = ctx.socket(zmq.PULL)

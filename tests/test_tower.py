@@ -401,7 +401,7 @@ def test_spec_and_factory_validation():
 
 
 def test_every_tower_setting_is_a_config_key():
-    from pipeline.config import FIELDS
+    from pipeline.cli.config import FIELDS
 
     for tower in TOWERS.values():
         for s in tower.settings:
@@ -411,13 +411,13 @@ def test_every_tower_setting_is_a_config_key():
 
 
 def test_config_defaults_build_the_sim_towers_defaults():
-    from pipeline.config import WorkerConfig
+    from pipeline.cli.config import WorkerConfig
 
     assert build_tower("sim", **WorkerConfig(tower="sim").tower_settings()).spec == build_tower("sim").spec
 
 
 def test_qwen_tower_settings(tmp_path):
-    from pipeline.config import WorkerConfig
+    from pipeline.cli.config import WorkerConfig
 
     cfg = WorkerConfig(tower="qwen3-vl", gpu=1)
     assert cfg.tower_settings() == {"config": "tiny", "gpu": 1}
@@ -429,9 +429,9 @@ def test_only_the_tower_process_imports_torch():
     """The registry, the configuration, the tower stage and a sim tower leave torch unloaded:
     only a qwen tower, built in the tower process, loads it."""
     code = ("import sys\n"
-            "import pipeline.config, stages.tower\n"
+            "import pipeline.cli.config, stages.tower\n"
             "from stages.towers import build_tower\n"
-            "build_tower('sim', **pipeline.config.WorkerConfig(tower='sim').tower_settings())\n"
+            "build_tower('sim', **pipeline.cli.config.WorkerConfig(tower='sim').tower_settings())\n"
             "print(sorted({'torch', 'transformers', 'safetensors'} & set(sys.modules)))\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from ipc import shm
-from pipeline.client import Client, Item
-from pipeline.receiver import Receiver
+from pipeline.peers.client import Client, Item
+from pipeline.peers.receiver import Receiver
 from pipeline.testing.sim import expected_sim_rows, image
 from pipeline.testing.workers import sim_config, start_worker
 

@@ -30,8 +30,8 @@ pytest.importorskip("vllm", reason="runs in .venv-vllm, driven by tests/test_vll
 import torch  # noqa: E402
 
 from ipc import shm  # noqa: E402
-from pipeline.background import free_port  # noqa: E402
-from pipeline.client import Client, Item, routing_key  # noqa: E402
+from pipeline.runtime.background import free_port  # noqa: E402
+from pipeline.peers.client import Client, Item, routing_key  # noqa: E402
 from pipeline.integrations import proxy as proxy_mod  # noqa: E402
 from pipeline.integrations.vllm import EPDConnector, EPDConnectorMetadata  # noqa: E402
 from pipeline.testing.sim import expected_sim_rows, image  # noqa: E402

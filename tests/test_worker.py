@@ -8,8 +8,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from pipeline.client import Client, Item
-from pipeline.receiver import Receiver
+from pipeline.peers.client import Client, Item
+from pipeline.peers.receiver import Receiver
 from tests.helpers import expected_sim_rows, image, sim_config, start_worker
 
 pytestmark = pytest.mark.timeout(300)

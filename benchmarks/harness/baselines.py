@@ -13,7 +13,7 @@ from stages.registry import CACHE, INTAKE, REAPER, SCHEDULER, SENDER, TOWER
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/
 # A fresh encode's critical path (docs/design.md, "The life of an image"): each step is a ring
-# in the pipeline, checked against pipeline/wiring.py's EDGES by hops_on_fresh_path().
+# in the pipeline, checked against pipeline/runtime/wiring.py's EDGES by hops_on_fresh_path().
 FRESH_ENCODE_PATH = (INTAKE, CACHE, SCHEDULER, TOWER, SENDER, REAPER)
 
 
@@ -49,12 +49,12 @@ def child_call(conn, fn, args) -> None:
 
 def hops_on_fresh_path() -> int:
     """Ring hops of a fresh encode's critical path, each checked to be a ring of the wiring."""
-    from pipeline.wiring import EDGES
+    from pipeline.runtime.wiring import EDGES
 
     steps = list(zip(FRESH_ENCODE_PATH, FRESH_ENCODE_PATH[1:]))
     missing = [s for s in steps if s not in EDGES]
     if missing:
-        raise RuntimeError(f"FRESH_ENCODE_PATH has steps that are no ring in pipeline/wiring.py: {missing}")
+        raise RuntimeError(f"FRESH_ENCODE_PATH has steps that are no ring in pipeline/runtime/wiring.py: {missing}")
     return len(steps)
 
 
@@ -91,7 +91,7 @@ def raw_intake_read(prefix: str, nbytes: int, n: int, hashed: bool = False) -> d
 
     from ipc import shm
     from ipc.wire import cache_hasher, new_cache_key
-    from pipeline.client import Client, unlink_segment
+    from pipeline.peers.client import Client, unlink_segment
     from stages.segments import READ_PIECE
 
     client = Client(f"ipc://{tempfile.gettempdir()}/epd-bench-nobody.sock", prefix)
@@ -169,7 +169,7 @@ def tower_alone(cfg_kwargs: dict, grids: list, n: int, trials: int, seed: int, b
 
     import numpy as np
 
-    from pipeline.config import WorkerConfig
+    from pipeline.cli.config import WorkerConfig
     from stages.towers import TowerItem, build_tower
 
     cfg = WorkerConfig(**cfg_kwargs)

@@ -27,8 +27,8 @@ class BenchClient:
         import numpy as np
 
         from ipc import wire
-        from pipeline.client import Client
-        from pipeline.receiver import Receiver
+        from pipeline.peers.client import Client
+        from pipeline.peers.receiver import Receiver
 
         self.wire = wire
         self.grids = [tuple(g) for g in grids]
@@ -47,7 +47,7 @@ class BenchClient:
         self.rx.alloc(room, 0, span=self.spans[room % len(self.grids)], **self.alloc_kw)
 
     def publish(self, room: int) -> bytes:
-        from pipeline.client import Item
+        from pipeline.peers.client import Item
 
         k = room % len(self.grids)
         base = self.bases[k]
@@ -120,7 +120,7 @@ class BenchClient:
         return out
 
     def close(self) -> None:
-        from pipeline.client import unlink_segment
+        from pipeline.peers.client import unlink_segment
 
         for name in self.published:  # those the worker never took
             unlink_segment(name)

@@ -12,7 +12,7 @@ from benchmarks.harness.report import jsonable
 def host_main(conn, mode: str, cfg_kwargs: dict) -> None:
     """A worker process: the InProcessWorker serving in a thread, or the Supervisor and
     its stage processes (pipeline/testing's start_worker); answers the parent's commands."""
-    from pipeline.config import WorkerConfig
+    from pipeline.cli.config import WorkerConfig
     from pipeline.testing.workers import start_worker
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides

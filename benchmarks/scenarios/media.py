@@ -75,8 +75,8 @@ def intake_cpu(b: Bench, data: list[bytes], compressed: bool, tag: str) -> dict:
     import psutil
 
     from ipc import media
-    from pipeline.client import Client, Item, image_item
-    from pipeline.receiver import Receiver
+    from pipeline.peers.client import Client, Item, image_item
+    from pipeline.peers.receiver import Receiver
     from pipeline.testing.workers import sim_config, start_worker
 
     prefix = f"bm{os.getpid() % 100000}{tag}"

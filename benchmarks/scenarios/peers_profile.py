@@ -26,7 +26,7 @@ _rooms = itertools.count(1 << 40)
 def _steps(servers, pre, client, rx, tower, n: int) -> dict:
     import torch
 
-    from pipeline.client import routing_key
+    from pipeline.peers.client import routing_key
     from pipeline.testing.vllm import chat
     from benchmarks.scenarios.peers_vllm import post
 
@@ -80,9 +80,9 @@ def _steps(servers, pre, client, rx, tower, n: int) -> dict:
 def profile(args, tmp: str) -> dict:
     import torch
 
-    from pipeline.client import Client
+    from pipeline.peers.client import Client
     from pipeline.integrations.proxy import Preprocessor
-    from pipeline.receiver import Receiver
+    from pipeline.peers.receiver import Receiver
     from stages.towers.qwen import Qwen25VLTower
     from benchmarks.scenarios.peers_vllm import Servers
 

@@ -82,7 +82,7 @@ class Gateways:
             raise
 
     def _start(self, tmp: str, model: str, args) -> None:
-        from pipeline.background import free_port
+        from pipeline.runtime.background import free_port
 
         mode, threads = args.worker_mode, args.tower_threads
         # the same tower threads on both sides: tokenspeed's one tower gets the replicas'

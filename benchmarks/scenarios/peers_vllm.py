@@ -110,7 +110,7 @@ class Servers:
         for name, ec in (("epd", epd), ("producer", example("ec_producer")), ("consumer", example("ec_consumer"))):
             if name == "epd" or not only_epd:
                 self._vllm(name, ec, extra)
-        from pipeline.background import free_port
+        from pipeline.runtime.background import free_port
         from pipeline.testing.vllm import http_status
 
         port = free_port()

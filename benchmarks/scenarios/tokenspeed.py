@@ -32,7 +32,7 @@ CPU_KEY = "tokenspeed_front_cpu_per_image_vs_native"
 
 def tokenspeed(b: Bench) -> None:
     from benchmarks.harness.session import Session
-    from pipeline.background import free_port
+    from pipeline.runtime.background import free_port
 
     n, trials = b.size("tokenspeed")
     print(f"tokenspeed: {GRID}, device {CPU_DEVICE_S * 1e3:.1f} ms/image; pipeline workers, one fed through "

@@ -80,7 +80,7 @@ def measure(n: int, tmp: str) -> dict:
     import numpy as np
 
     from ipc import shm
-    from pipeline.client import WorkerAddress
+    from pipeline.peers.client import WorkerAddress
     from pipeline.integrations.proxy import Preprocessor, Proxy
     from pipeline.testing.vllm import build_model, chat, picture, start_server, stop, wait_ready
     from pipeline.testing.workers import start_worker, worker_config

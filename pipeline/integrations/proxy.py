@@ -27,7 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 
-from pipeline.client import Item, RoutedClient, WorkerAddress, image_item, routing_key
+from pipeline.peers.client import Item, RoutedClient, WorkerAddress, image_item, routing_key
 
 
 class BadRequest(ValueError):

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from ipc import shm, wire
-from pipeline.receiver import Receiver, Shard
+from pipeline.peers.receiver import Receiver, Shard
 from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorBase, ECConnectorMetadata, ECConnectorRole,
 )

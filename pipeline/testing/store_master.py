@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from pipeline.background import free_port
+from pipeline.runtime.background import free_port
 
 
 def master_binary() -> str:

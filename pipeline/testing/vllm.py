@@ -16,7 +16,7 @@ import urllib.request
 
 import numpy as np
 
-from pipeline.background import free_port
+from pipeline.runtime.background import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from pipeline.background import Running, free_port
-from pipeline.config import WorkerConfig
+from pipeline.runtime.background import Running, free_port
+from pipeline.cli.config import WorkerConfig
 
 
 def worker_config(prefix: str, run_dir, **over) -> WorkerConfig:

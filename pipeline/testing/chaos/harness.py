@@ -18,9 +18,9 @@ from multiprocessing.connection import wait as wait_conns
 
 from ipc.rooms import RoomState
 from ipc.told import incarnation
-from pipeline.background import Running
-from pipeline.boards import Heartbeats
-from pipeline.client import Client, Item
+from pipeline.runtime.background import Running
+from pipeline.runtime.boards import Heartbeats
+from pipeline.peers.client import Client, Item
 from pipeline.testing.chaos import events
 from pipeline.testing.chaos.checks import EndChecks
 from pipeline.testing.chaos.receiver import receiver_main

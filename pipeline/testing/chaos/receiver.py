@@ -49,7 +49,7 @@ class ChaosReceiver:
     """One prefill rank under test: allocs what the harness says, checks every status."""
 
     def __init__(self, rx_id: str, bootstrap: str, conn, buffer_bytes: int):
-        from pipeline.receiver import Receiver
+        from pipeline.peers.receiver import Receiver
 
         self.conn = conn
         self.r = Receiver(rx_id, bootstrap, buffer_bytes=buffer_bytes, query_after_s=None)  # queried here

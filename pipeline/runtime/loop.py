@@ -35,7 +35,8 @@ import zmq
 from ipc.ring import Ring, wait_any
 from ipc.transport import Engine
 from ipc import wire
-from pipeline import curve, wiring
+from pipeline.peers import curve
+from pipeline.runtime import wiring
 from stages import registry
 from stages.base import Stage
 from stages.records import UNHURRIED

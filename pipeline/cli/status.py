@@ -17,9 +17,9 @@ from collections import Counter
 from ipc import shm
 from ipc.ring import Ring, RingError
 from ipc.rooms import RoomState, RoomTable
-from pipeline import wiring
-from pipeline.config import WorkerConfig
-from pipeline.boards import Heartbeats, StatsBoard
+from pipeline.runtime import wiring
+from pipeline.cli.config import WorkerConfig
+from pipeline.runtime.boards import Heartbeats, StatsBoard
 from stages import registry
 
 NO_WORKER = 4

@@ -5,8 +5,8 @@ from __future__ import annotations
 import socket
 import threading
 
-from pipeline.config import WorkerConfig
-from pipeline.runtime import SignalFlag
+from pipeline.cli.config import WorkerConfig
+from pipeline.runtime.serving import SignalFlag
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -20,7 +20,7 @@ def start(cfg: WorkerConfig, mode: str, tower=None):
     """A started runtime of `mode`: the Supervisor with its stage processes ("pipeline"),
     or the InProcessWorker ("inprocess"). `tower` (a built Tower) only for "inprocess"."""
     if mode == "pipeline":
-        from pipeline.supervisor import Supervisor
+        from pipeline.runtime.supervisor import Supervisor
 
         if tower is not None:
             raise ValueError("the pipeline builds its tower in the tower process")
@@ -32,7 +32,7 @@ def start(cfg: WorkerConfig, mode: str, tower=None):
             raise
         return sup
     if mode == "inprocess":
-        from pipeline.inprocess import InProcessWorker
+        from pipeline.runtime.inprocess import InProcessWorker
 
         return InProcessWorker(cfg, tower=tower)
     raise ValueError(f"mode must be 'pipeline' or 'inprocess', not {mode!r}")

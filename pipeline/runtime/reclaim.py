@@ -14,7 +14,7 @@ import pickle
 from typing import Callable
 
 from ipc.ring import Ring
-from pipeline.wiring import Shared
+from pipeline.runtime.wiring import Shared
 from stages import registry
 from stages.records import RoomsLost
 

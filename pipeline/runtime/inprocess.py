@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 import time
 
-from pipeline import wiring
-from pipeline.loop import Env, Loop, QueueChannel
-from pipeline.metrics import MetricsServer, Snapshot, Totals, merge_stats, totals_of
-from pipeline.runtime import RunResources, Serving, SignalFlag
-from pipeline.tokenspeed_front import Fronts, start_fronts
+from pipeline.runtime import wiring
+from pipeline.runtime.loop import Env, Loop, QueueChannel
+from pipeline.ops.metrics import MetricsServer, Snapshot, Totals, merge_stats, totals_of
+from pipeline.runtime.serving import RunResources, Serving, SignalFlag
+from pipeline.integrations.tokenspeed_front import Fronts, start_fronts
 from stages import registry
 from stages.registry import REQUEST_STAGE, SUPERVISOR
 

@@ -15,7 +15,7 @@ import zmq
 
 from ipc import wire
 from ipc.transport import Engine
-from pipeline import curve
+from pipeline.peers import curve
 
 MAX_EARLY_FAILED = 65536  # failed statuses kept for rooms not allocated here (yet)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from ipc import shm
-from pipeline.exposure import exposure_problem
+from pipeline.ops.exposure import exposure_problem
 from stages import registry
 from stages.embedding_cache import read_key_file
 from stages.towers import TOWER_SETTINGS, TOWERS, SettingError
@@ -246,7 +246,7 @@ class WorkerConfig:
                                   f"Serve tokenspeed from a worker without CurveZMQ (loopback, or "
                                   f"allow_insecure_network on a private network)", name)
         if self.curve_cert:
-            from pipeline.curve import ServerKeys  # zmq.auth: only where CURVE is asked for
+            from pipeline.peers.curve import ServerKeys  # zmq.auth: only where CURVE is asked for
 
             try:
                 ServerKeys.load(self.curve_cert, self.curve_clients)
@@ -255,7 +255,7 @@ class WorkerConfig:
 
     def _check_exposure(self) -> None:
         """Sockets off loopback only where their peers are authenticated or the operator
-        accepts the risk (pipeline/exposure.py); tokenspeed's wire has no authentication."""
+        accepts the risk (pipeline/ops/exposure.py); tokenspeed's wire has no authentication."""
         self._check_curve()
         for name in ("intake", "bootstrap"):
             problem = exposure_problem(getattr(self, name), name, bool(self.curve_cert),

@@ -32,8 +32,8 @@ from smg_grpc_proto.generated import (common_pb2, tokenspeed_encoder_pb2, tokens
                                       tokenspeed_scheduler_pb2, tokenspeed_scheduler_pb2_grpc)
 
 from ipc import shm, wire
-from pipeline import wiring
-from pipeline.client import unlink_segment
+from pipeline.runtime import wiring
+from pipeline.peers.client import unlink_segment
 
 log = logging.getLogger("epd.tokenspeed")
 

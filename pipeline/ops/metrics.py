@@ -25,7 +25,7 @@ from typing import Callable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from ipc.stats import SECONDS_BUCKETS
-from pipeline.exposure import HTTP_IDLE_TIMEOUT_S, BoundedHTTP
+from pipeline.ops.exposure import HTTP_IDLE_TIMEOUT_S, BoundedHTTP
 from stages.registry import CACHE
 
 log = logging.getLogger("epd.metrics")
@@ -355,7 +355,7 @@ def probe(path: str, health: Callable[[], dict]) -> tuple[int, dict]:
 
 
 class _Server(BoundedHTTP, ThreadingMixIn, WSGIServer):
-    """Bounded as every HTTP listener is (pipeline/exposure.py): a few hundred idle
+    """Bounded as every HTTP listener is (pipeline/ops/exposure.py): a few hundred idle
     connections would otherwise hold as many descriptors and threads, for good."""
 
     def __init__(self, address, handler, family):

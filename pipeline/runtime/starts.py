@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from pipeline.boards import Heartbeats
+from pipeline.runtime.boards import Heartbeats
 from stages import registry
 
 READY, FAILED, WAITING = "ready", "failed", "waiting"

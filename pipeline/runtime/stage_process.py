@@ -1,4 +1,4 @@
-"""Runs one stage in its own process: the round of pipeline/loop.py over rings, a
+"""Runs one stage in its own process: the round of pipeline/runtime/loop.py over rings, a
 heartbeat, custody in the room table, counters on the stats board."""
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from dataclasses import asdict
 
 from ipc import shm
 from ipc.ring import Ring
-from pipeline import numa, wiring
-from pipeline.boards import DrainOrder, Heartbeats, IntakeJournal, StatsBoard
-from pipeline.config import WorkerConfig, setup_logging
-from pipeline.loop import Env, Loop, RingChannel
-from pipeline.runtime import SHUTTING_DOWN, SignalFlag
+from pipeline.ops import numa
+from pipeline.runtime import wiring
+from pipeline.runtime.boards import DrainOrder, Heartbeats, IntakeJournal, StatsBoard
+from pipeline.cli.config import WorkerConfig, setup_logging
+from pipeline.runtime.loop import Env, Loop, RingChannel
+from pipeline.runtime.serving import SHUTTING_DOWN, SignalFlag
 from stages.base import TableCustody
 from stages import progress, registry, store_tier
 
@@ -100,7 +101,7 @@ class StageHost:
         self.row[Heartbeats.PID] = os.getpid()
         self.row[Heartbeats.BEAT] = time.monotonic()
         # A tower's load reports its steps: each moves the heartbeat on, and the supervisor
-        # gives up on the start only when it stops moving (pipeline/starts.py).
+        # gives up on the start only when it stops moving (pipeline/runtime/starts.py).
         progress.set_reporter(lambda: self.row.__setitem__(Heartbeats.BEAT, time.monotonic()))
         self.stats_board = StatsBoard.attach(p, run_id)
         self._stats_at = 0.0

@@ -14,8 +14,8 @@ from ipc.held import HeldAllocs
 from ipc.receivers import ReceiverTable
 from ipc.rooms import RoomTable
 from ipc.told import ToldTable
-from pipeline import numa
-from pipeline.config import WorkerConfig
+from pipeline.ops import numa
+from pipeline.cli.config import WorkerConfig
 from stages import registry
 from stages.registry import CACHE, INTAKE, PREPROCESS, REAPER, SCHEDULER, SENDER, SUPERVISOR, TOWER
 
@@ -108,7 +108,7 @@ def bound_listener(sock) -> None:
 
 def bind_pull(ctx, endpoint: str, max_frame: int, curve_keys=None):
     """The worker's PULL socket at `endpoint` (intake or bootstrap); a CurveZMQ server
-    that admits only `curve_keys.allowed` when they are given (pipeline/curve.py).
+    that admits only `curve_keys.allowed` when they are given (pipeline/peers/curve.py).
 
     A frame over `max_frame` bytes makes ZeroMQ drop it and the peer's connection
     before it is buffered; at most SOCKET_QUEUE_FRAMES frames per peer wait in it, so
@@ -122,7 +122,7 @@ def bind_pull(ctx, endpoint: str, max_frame: int, curve_keys=None):
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
     bound_listener(sock)
     if curve_keys is not None:
-        from pipeline import curve
+        from pipeline.peers import curve
 
         curve.serve(sock, curve_keys)
     unlink_ipc(endpoint)  # a dead predecessor's

@@ -38,9 +38,9 @@ import sys
 import textwrap
 import time
 
-from pipeline.config import (ConfigError, WorkerConfig, add_flags, flags_given, format_config, load_config,
+from pipeline.cli.config import (ConfigError, WorkerConfig, add_flags, flags_given, format_config, load_config,
                              setup_logging)
-from pipeline.background import free_port
+from pipeline.runtime.background import free_port
 from stages.registry import SUPERVISOR
 
 MODES = ["pipeline", "inprocess"]
@@ -64,8 +64,8 @@ EXIT_CODES = {
 
 # ---------------------------------------------------------------- serve
 def serve(cfg: WorkerConfig, mode: str) -> int:
-    from pipeline.runtime import StartError, serve_until_signalled
-    from pipeline.background import start
+    from pipeline.runtime.serving import StartError, serve_until_signalled
+    from pipeline.runtime.background import start
 
     def announce(rt) -> None:
         print(f"serving ({mode}): intake {rt.cfg.intake}  bootstrap {rt.cfg.bootstrap}  "
@@ -91,7 +91,7 @@ def _receiver_main(bootstrap: str, conn, cfg: WorkerConfig) -> None:
     """The prefill side: allocs for each room it is told of, then reports what arrived."""
     import hashlib
 
-    from pipeline.receiver import Receiver
+    from pipeline.peers.receiver import Receiver
 
     setup_logging(cfg, "receiver")
     r = Receiver("demo-prefill", bootstrap)
@@ -147,7 +147,7 @@ def _workload(patch_dim: int, merge: int):
     """Images of several sizes, some repeated, a multi-item room and a video."""
     import numpy as np
 
-    from pipeline.client import Item
+    from pipeline.peers.client import Item
 
     grids = [(1, 8, 8), (1, 16, 16), (1, 12, 20), (1, 24, 16), (1, 32, 32)]
     rng = np.random.default_rng(0)
@@ -166,8 +166,8 @@ def _workload(patch_dim: int, merge: int):
 
 
 def demo(cfg: WorkerConfig, mode: str) -> int:
-    from pipeline.client import Client
-    from pipeline.background import Running
+    from pipeline.peers.client import Client
+    from pipeline.runtime.background import Running
 
     try:
         worker = Running(cfg, mode)
@@ -250,7 +250,7 @@ def bench(argv: list[str]) -> int:
 
     The benchmarks are not part of the installed package: they run from a source
     checkout, or an editable install of one, where benchmarks/ sits beside pipeline/."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench.py")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks", "bench.py")
     if not os.path.exists(path):
         print(f"error: bench runs from a source checkout of the worker (no {path} here): "
               "clone it and run scripts/setup.sh there", file=sys.stderr)
@@ -328,7 +328,7 @@ def main(argv=None, prog: str = PROG) -> int:
         return 0
     if args.command == "status":
         setup_logging(cfg, "status")
-        from pipeline.status import main as status_main
+        from pipeline.cli.status import main as status_main
 
         return status_main(cfg, args.json)
     setup_logging(cfg, SUPERVISOR if args.mode == "pipeline" else "worker")

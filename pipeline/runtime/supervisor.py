@@ -3,7 +3,7 @@
 The supervisor owns every shared object: it creates them, starts the stages (in
 registry.start_order: the others need the towers' spec), watches them (exit, or a
 heartbeat older than `heartbeat_timeout_s`: killed), and when one dies has its
-Reclaimer (pipeline/reclaim.py) fail exactly the rooms it held, reclaim its arena
+Reclaimer (pipeline/runtime/reclaim.py) fail exactly the rooms it held, reclaim its arena
 references and write its last words on its own rings (registry.last_words: a tower
 replica's tell the scheduler it is gone), and restarts it with backoff; the successor
 continues from its input rings and from what its predecessor left in shared memory
@@ -26,14 +26,15 @@ from dataclasses import asdict
 
 from ipc import shm
 from ipc.ring import Ring
-from pipeline import numa, wiring
-from pipeline.boards import DrainOrder, Heartbeats, IntakeJournal, StatsBoard
-from pipeline.metrics import MetricsError, MetricsServer, Snapshot, StageTotals, merge_stats
-from pipeline.reclaim import Reclaimer
-from pipeline.runtime import RunResources, Serving, SignalFlag, StartError
-from pipeline.tokenspeed_front import Fronts, start_fronts
-from pipeline.stage_process import DUMP_STACKS, stage_process
-from pipeline.starts import FAILED, READY, Start
+from pipeline.ops import numa
+from pipeline.runtime import wiring
+from pipeline.runtime.boards import DrainOrder, Heartbeats, IntakeJournal, StatsBoard
+from pipeline.ops.metrics import MetricsError, MetricsServer, Snapshot, StageTotals, merge_stats
+from pipeline.runtime.reclaim import Reclaimer
+from pipeline.runtime.serving import RunResources, Serving, SignalFlag, StartError
+from pipeline.integrations.tokenspeed_front import Fronts, start_fronts
+from pipeline.runtime.stage_process import DUMP_STACKS, stage_process
+from pipeline.runtime.starts import FAILED, READY, Start
 from stages import registry
 from stages.records import IntakeRestarted
 from stages.registry import REQUEST_STAGE, SUPERVISOR
@@ -136,7 +137,7 @@ class Supervisor:
                                 daemon=False)
         row = self.hb.row(name)
         row[Heartbeats.READY] = 0.0
-        row[Heartbeats.BEAT] = time.monotonic()  # a tower's load progress moves it on (pipeline/starts.py)
+        row[Heartbeats.BEAT] = time.monotonic()  # a tower's load progress moves it on (pipeline/runtime/starts.py)
         row[Heartbeats.BUSY] = 0.0
         self.hb.report_drained(name, DrainOrder.NONE)  # a predecessor's answer is not this one's
         now = time.monotonic()

@@ -27,8 +27,8 @@ from urllib.parse import parse_qs, urlsplit
 import zmq
 
 from ipc import wire
-from pipeline import wiring
-from pipeline.exposure import HTTP_IDLE_TIMEOUT_S, BoundedHTTP
+from pipeline.runtime import wiring
+from pipeline.ops.exposure import HTTP_IDLE_TIMEOUT_S, BoundedHTTP
 
 log = logging.getLogger("epd.tokenspeed")
 
@@ -263,7 +263,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class BootstrapServer(BoundedHTTP, ThreadingHTTPServer):
-    """/route requests: bounded as every HTTP listener is (pipeline/exposure.py)."""
+    """/route requests: bounded as every HTTP listener is (pipeline/ops/exposure.py)."""
 
     def __init__(self, host: str, port: int, rank_ip: str, frame_port: int):
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -327,7 +327,7 @@ class Fronts:
                                                 spec.deepstack_width)
             if cfg.tokenspeed_grpc:
                 try:
-                    from pipeline.tokenspeed_grpc import GrpcFront
+                    from pipeline.integrations.tokenspeed_grpc import GrpcFront
                     from stages.embedding_cache import cache_key
                 except ImportError as e:
                     raise RuntimeError(f"tokenspeed_grpc needs grpcio and tokenspeed's proto package ({e}): "

@@ -13,7 +13,7 @@ import os
 import re
 from contextlib import contextmanager
 
-from pipeline.config import ConfigError, WorkerConfig, parse_numa
+from pipeline.cli.config import ConfigError, WorkerConfig, parse_numa
 from stages import registry
 
 log = logging.getLogger("epd.numa")

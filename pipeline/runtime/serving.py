@@ -1,7 +1,7 @@
 """What both modes do around their stages: start-up checks, the run's shared objects
 and their close (RunResources), serving, the drain and health (Serving), and signals.
-The in-process worker (pipeline/inprocess.py) and the supervisor of the stage processes
-(pipeline/supervisor.py) each own one of each, and give Serving their StageControl.
+The in-process worker (pipeline/runtime/inprocess.py) and the supervisor of the stage processes
+(pipeline/runtime/supervisor.py) each own one of each, and give Serving their StageControl.
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import Protocol
 
 from ipc import ordering, shm
 from ipc.rooms import RoomState
-from pipeline import wiring
-from pipeline.config import WorkerConfig
-from pipeline.notify import Notifier
+from pipeline.runtime import wiring
+from pipeline.cli.config import WorkerConfig
+from pipeline.ops.notify import Notifier
 from stages.records import RoomsLost
 from stages.status_pusher import FDS_PER_SOCKET, SLOTS_PER_SOCKET
 
@@ -217,7 +217,7 @@ class Serving:
                 self.run.notifier.status(not_ready_text(since, self.turned_at) if since else "serving")
 
     def health(self) -> dict:
-        """The conditions of the /healthz and /readyz probes (pipeline.metrics.READY_WHEN);
+        """The conditions of the /healthz and /readyz probes (pipeline.ops.metrics.READY_WHEN);
         called on the metrics endpoint's thread."""
         turned = self.turned_at
         not_ready = self.control.stages_not_ready()
