@@ -14,10 +14,10 @@ The sim tower (3,584 bfloat16 columns a row), every setting its default unless n
   embedding arena and no allocs: how many the gateway sent before its send blocked
   (the socket stayed full for 2 s), and the intake's private memory (the whole
   process in-process) before and at its peak, as a ratio of its growth to the bound
-  the settings give (tests/test_bounds.py's ``memory_bound``).
+  the settings give (tests/runtime/test_load_bounds.py's ``memory_bound``).
 - ``stranger``: an unrelated Mooncake engine on the host handshakes with each port the
   worker listens on and reads (1 MiB) and writes (4 KiB) its embedding arena where the
-  worker maps it (tests/test_closed_arena.py): the return codes and the non-zero bytes
+  worker maps it (tests/peers/test_closed_memory.py): the return codes and the non-zero bytes
   it got back.
 - ``registers``: 5,000 registers under random ids (every 50th followed by an alloc for a
   room never seen, answered "unknown room" after a ``bootstrap_timeout_s`` of 2 s, so
@@ -130,7 +130,7 @@ def burst(mode: str, prefix: str, run_dir: str, quick: bool) -> dict:
 # ---------------------------------------------------------------- the flood
 
 def flood(mode: str, prefix: str, run_dir: str, quick: bool) -> dict:
-    from tests.test_bounds import FLOOD_GRID, flood_frame, memory_bound, private_bytes
+    from tests.runtime.test_load_bounds import FLOOD_GRID, flood_frame, memory_bound, private_bytes
 
     limit = 300 if quick else 1500
     w = start_worker(mode, worker_config(prefix, run_dir, **SIM, embedding_arena_bytes=64 << 20,
@@ -177,7 +177,7 @@ def flood(mode: str, prefix: str, run_dir: str, quick: bool) -> dict:
 # ---------------------------------------------------------------- a stranger's Mooncake read
 
 def stranger(mode: str, prefix: str, run_dir: str, quick: bool) -> dict:
-    from tests.test_closed_arena import READ, arena_mappings, listening_ports, serve_a_room, stranger_tries
+    from tests.peers.test_closed_memory import READ, arena_mappings, listening_ports, serve_a_room, stranger_tries
 
     w = start_worker(mode, worker_config(prefix, run_dir, **SIM))
     out: dict = {}

@@ -90,7 +90,7 @@ def run_part(name: str, argv: list[str], tmp: str) -> tuple[int, dict]:
     cmd = [python, os.path.abspath(__file__), *argv, "--part", name, "--json", out]
     env = dict(os.environ, PYTHONPATH=ROOT)
     if name == "tokenspeed":
-        # as tests/test_tokenspeed_prefill.py runs tokenspeed: Mooncake over TCP (no RDMA
+        # as tests/integrations/test_tokenspeed_prefill.py runs tokenspeed: Mooncake over TCP (no RDMA
         # device here), its libraries found
         site = glob.glob(os.path.join(ROOT, ".venv-tokenspeed", "lib", "python3*", "site-packages"))
         env.update(MC_FORCE_TCP="1", LD_LIBRARY_PATH=os.pathsep.join(

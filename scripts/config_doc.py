@@ -5,7 +5,7 @@
 
 Every key, its flag, its environment variable, its type, its default and its help
 come from `WorkerConfig`'s fields, as `run.py config` and `run.py serve --help` get
-them, so the page cannot say what the code does not. tests/test_docs.py fails when
+them, so the page cannot say what the code does not. tests/project/test_docs.py fails when
 the file differs from this script's output.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up .venv-tokenspeed: tokenspeed's own prefill side (the tokenspeed 0.1.1 wheel and
 # the tokenspeed-mooncake fork its Mooncake engine needs, both without their dependencies),
-# which tests/test_tokenspeed*.py drive in a subprocess against this worker.
+# which tests/integrations/test_tokenspeed*.py drive in a subprocess against this worker.
 #
 # The wheel's full dependency set needs CUDA 13 and a GPU build of torch; the prefill side
 # needs none of it on a CPU host. So this environment sees the main .venv's packages

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds .venv-vllm: vLLM's CPU build with this project installed into it, for the vLLM
-# connector's tests and benchmark (tests/test_vllm.py, benchmarks/scenarios/vllm.py).
+# connector's tests and benchmark (tests/integrations/test_vllm.py, benchmarks/scenarios/vllm.py).
 # An environment of its own, so that vLLM's pins never touch the project's .venv.
 # Safe to run again: it skips what is already there.
 set -euo pipefail

@@ -1,4 +1,4 @@
-"""tokenspeed prefill ranks, run by tests/test_tokenspeed_prefill.py in .venv-tokenspeed:
+"""tokenspeed prefill ranks, run by tests/integrations/test_tokenspeed_prefill.py in .venv-tokenspeed:
 each tokenspeed's own EPD prefill manager and receiver (tokenspeed/runtime/epd/mooncake/
 {prefill,receiver}.py) over a tokenspeed-mooncake engine of its own, with receive memory
 of its own. Several in one process, as tokenspeed's import takes seconds of CPU.

@@ -1,6 +1,6 @@
 """Chaos under load: the multi-process pipeline with stages and receivers killed at
 random while rooms flow, every invariant checked (benchmarks/chaos.py describes the run
-and its result; tests/test_chaos.py runs it short and dense).
+and its result; tests/soak/test_chaos.py runs it short and dense).
 
 settings.py holds the knobs, receiver.py the receiver processes and their checks,
 events.py the kills, timeline.py what died when, harness.py the run, checks.py the

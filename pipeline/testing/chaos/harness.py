@@ -1,7 +1,7 @@
 """The chaos harness: a worker in --mode pipeline (the sim tower, Mooncake over loopback
 TCP) under a steady load of multi-item rooms, its receivers each a process of its own,
 and the chaos (events.py) between them; at the end every room is judged (checks.py).
-benchmarks/chaos.py is its command line and says what it checks; tests/test_chaos.py
+benchmarks/chaos.py is its command line and says what it checks; tests/soak/test_chaos.py
 runs it short and dense."""
 from __future__ import annotations
 
