@@ -289,6 +289,18 @@ def test_an_alloc_held_for_an_unseen_room_is_answered_after_the_sender_dies(shm_
         wait_restarted(w, "sender")
         assert r.wait({9001: 1}, 30), "the receiver was never answered"
         assert r.failed[9001] == "unknown room"
+        # The restarted sender serves a fresh room, bit-exact.
+        client = Client(w.cfg.intake, shm_prefix)
+        try:
+            grid, px = image(3, grid=(1, 4, 4))
+            client.encode(9002, "after", [Item("image", grid, px)])
+            r.alloc(9002, 0, span=4, hidden=64, dtype="bfloat16", deepstack_width=32)
+            assert r.wait({9002: 1}, 30) and 9002 not in r.failed, r.failed.get(9002)
+            main, deep = r.rows(9002, 0)
+            want_main, want_deep = expected_sim_rows(px, "image", 4, 64, 32, "bfloat16")
+            assert (main == want_main).all() and (deep == want_deep).all()
+        finally:
+            client.close()
     finally:
         r.close()
         w.close()
@@ -355,6 +367,15 @@ def test_a_sender_killed_while_it_fences_a_failed_room_leaves_no_receiver_waitin
         while room not in r.failed and time.monotonic() < end:
             r.poll(0.1)
         assert r.failed.get(room) == "canceled", "the receiver was never told the room failed"
+        # The restarted sender serves: a fresh room's rows, bit-exact.
+        fresh, grid_px = next(_rooms), image(2, grid=(1, 4, 4))
+        client.encode(fresh, "after", [Item("image", *grid_px)])
+        r.alloc(fresh, 0, span=4, hidden=spec.hidden, dtype=spec.dtype, deepstack_width=spec.deepstack_width)
+        assert r.wait({fresh: 1}, 30) and fresh not in r.failed, r.failed.get(fresh)
+        want_main, want_deep = expected_sim_rows(grid_px[1], "image", 4, spec.hidden, spec.deepstack_width,
+                                                 spec.dtype)
+        main, deep = r.rows(fresh, 0)
+        assert (main == want_main).all() and (deep == want_deep).all()
         assert not r.violations, r.violations
     finally:
         stalled.kill()
