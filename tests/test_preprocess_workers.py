@@ -151,30 +151,39 @@ def jpeg(seed: int, size=(200, 150)) -> bytes:
 class Sent:
     """Rooms of one compressed image each, and the rows each must get."""
 
-    def __init__(self, client, rx):
-        self.client, self.rx = client, rx
+    def __init__(self, client, rx, size=(200, 150)):
+        self.client, self.rx, self.size = client, rx, size
         self.want: dict[int, tuple] = {}
 
-    def room(self, seed: int) -> int:
-        data = jpeg(seed)
-        pixels, grid = media.preprocess(data, "jpeg", SETTINGS)
-        span = grid[0] * grid[1] * grid[2] // 4
-        room = next(_rooms)
-        self.rx.alloc(room, 0, span=span, **ROW)
-        self.client.encode(room, f"req-{room}", [image_item(data, "jpeg", min_pixels=SETTINGS.min_pixels,
-                                                            max_pixels=SETTINGS.max_pixels)])
-        self.want[room] = expected_sim_rows(pixels, "image", span, ROW["hidden"], ROW["deepstack_width"],
-                                            ROW["dtype"])
-        return room
+    def rooms(self, seeds) -> list[int]:
+        """One room per seed, its JPEG and rows made first, so that the rooms go at once."""
+        made = []
+        for seed in seeds:
+            data = jpeg(seed, self.size)
+            pixels, grid = media.preprocess(data, "jpeg", SETTINGS)
+            span = grid[0] * grid[1] * grid[2] // 4
+            made.append((data, span, expected_sim_rows(pixels, "image", span, ROW["hidden"],
+                                                       ROW["deepstack_width"], ROW["dtype"])))
+        rooms = []
+        for data, span, want in made:
+            room = next(_rooms)
+            self.rx.alloc(room, 0, span=span, **ROW)
+            self.client.encode(room, f"req-{room}", [image_item(data, "jpeg", min_pixels=SETTINGS.min_pixels,
+                                                                max_pixels=SETTINGS.max_pixels)])
+            self.want[room] = want
+            rooms.append(room)
+        return rooms
 
-    def check(self, rooms, failing_ok: bool) -> int:
-        """Every room served with its rows, or (`failing_ok`) failed naming the preprocess
-        stage; how many failed."""
+    def check(self, rooms, failing_ok: str | None) -> int:
+        """Every room served with its rows, or failed naming the stage `failing_ok` (as
+        the supervisor does, or a stage that found its pixels lost); how many failed."""
         assert self.rx.wait({r: 1 for r in rooms}, timeout=60), "some room never concluded"
         failed = 0
         for room in rooms:
             if room in self.rx.failed:
-                assert failing_ok and "preprocess" in self.rx.failed[room], self.rx.failed[room]
+                reason = self.rx.failed[room]
+                assert failing_ok and (f"the {failing_ok} stage died" in reason
+                                       or f"({failing_ok} died)" in reason), reason
                 failed += 1
                 continue
             main, deep = self.want[room]
@@ -196,8 +205,8 @@ def test_both_workers_take_work_and_serve_the_right_rows(mode, shm_prefix, tmp_p
         rx = Receiver("rx0", w.cfg.bootstrap, buffer_bytes=32 << 20)
         try:
             sent = Sent(client, rx)
-            rooms = [sent.room(seed) for seed in range(12)]
-            assert sent.check(rooms, failing_ok=False) == 0
+            rooms = sent.rooms(range(12))
+            assert sent.check(rooms, failing_ok=None) == 0
             per_worker = {n: decoded(w, n) for n in WORKERS}
             assert all(per_worker.values()), per_worker
             assert sum(per_worker.values()) == len(rooms), per_worker
@@ -211,10 +220,11 @@ def test_both_workers_take_work_and_serve_the_right_rows(mode, shm_prefix, tmp_p
 
 @pytest.mark.parametrize("how", ["kill", "stop"])
 def test_a_dead_or_hung_worker_fails_only_what_it_held_and_the_other_keeps_serving(how, shm_prefix, tmp_path):
-    """A window of rooms in flight; one worker SIGKILLed (a decoder that crashes) or
-    SIGSTOPped (one that hangs: the hang killer ends it). Each room is served with its
-    rows or fails naming the preprocess stage; the other worker serves throughout and is
-    never restarted; rooms after are served; /dev/shm holds nothing of the dead one."""
+    """A window of rooms in flight; one worker, while it holds rooms, SIGKILLed (a decoder
+    that crashes) or SIGSTOPped (one that hangs: the hang killer ends it). The rooms it
+    held fail naming it; every other room is served with its rows; the other worker
+    serves throughout and is never restarted; rooms after are served by both; /dev/shm
+    holds nothing of the run once it is closed."""
     cfg = sim_config(shm_prefix, tmp_path, preprocess_workers=2, heartbeat_timeout_s=1.0,
                      bootstrap_timeout_s=30.0, **BOUNDS)
     w = start_worker("pipeline", cfg)
@@ -225,23 +235,24 @@ def test_a_dead_or_hung_worker_fails_only_what_it_held_and_the_other_keeps_servi
             sup = w.runtime
             victim, other = WORKERS
             pid, other_pid = sup.procs[victim].pid, sup.procs[other].pid
-            sent = Sent(client, rx)
-            window = min(64, cfg.max_live_rooms)
-            if how == "stop":
-                os.kill(pid, signal.SIGSTOP)
-            rooms = [sent.room(seed) for seed in range(100, 100 + window)]
-            if how == "kill":
-                os.kill(pid, signal.SIGKILL)
+            sent = Sent(client, rx, size=(640, 480))  # a decode long enough to be caught holding
+            rooms = sent.rooms(range(100, 164))
+            deadline = time.monotonic() + 30
+            while not sup.rooms.held_by(1 << registry.owner_of(victim)):
+                assert time.monotonic() < deadline, "the victim never held a room"
+                time.sleep(0.001)
+            os.kill(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
             end = time.monotonic() + 60
             while sup.restart_counts[victim] < 1:
                 assert time.monotonic() < end, f"the {victim} stage was not restarted"
                 time.sleep(0.05)
-            sent.check(rooms, failing_ok=True)
-            assert sup.procs[other].pid == other_pid and sup.restart_counts[other] == 0
+            assert sent.check(rooms, failing_ok=victim) > 0, "the victim held no room"
+            assert sup.procs[other].pid == other_pid
+            assert sup.restart_counts == {s: int(s == victim) for s in sup.stages}
             assert decoded(w, other) > 0
             # Fresh rooms after: served, by both (the successor is sent work again).
-            after = [sent.room(seed) for seed in range(1000, 1012)]
-            assert sent.check(after, failing_ok=False) == 0
+            after = sent.rooms(range(1000, 1012))
+            assert sent.check(after, failing_ok=None) == 0
             assert decoded(w, victim) > 0, "the successor was sent no work"
         finally:
             rx.close()
