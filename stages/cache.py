@@ -37,8 +37,10 @@ class CacheStage(Stage):
     A miss of a compressed image goes to a preprocess worker first (`preprocess`, their
     stage names): to the live one with the fewest items outstanding (sent, not yet
     `PreprocessDone`), so a slow or hung worker is sent no more while another has fewer.
-    A dead one's count is dropped at its `PreprocessDown` (what it held fails with its
-    rooms) and it is sent nothing until its successor's `PreprocessRestarted`.
+    A dead one is sent nothing from its `PreprocessDown` until its successor's
+    `PreprocessRestarted`, and its count is dropped: the successor takes again what the
+    dead one had not released from its ring and reports each done (the count stops at
+    zero), so nothing the dead one took stays counted for ever, whatever became of it.
     """
 
     name = registry.CACHE
@@ -85,7 +87,7 @@ class CacheStage(Stage):
                     else ReasonCode.TOWER_ERROR
                 self._encode_failed(w, reason, rooms, code)
             case PreprocessDone(worker=k):
-                # Items in a dead worker's ring reach its successor after its count was dropped.
+                # A dead worker's ring reaches its successor after its count was dropped.
                 self.outstanding[k] = max(0, self.outstanding[k] - 1)
             case PreprocessDown(worker=k):
                 self.outstanding[k] = 0
@@ -118,6 +120,7 @@ class CacheStage(Stage):
             out.update(self.store.stats())
         if len(self.preprocess) > 1:
             out["preprocess_outstanding"] = dict(zip(self.preprocess, self.outstanding))
+            out["preprocess_down"] = sorted(self.preprocess[k] for k in self.down)
         return out
 
     def close(self) -> None:

@@ -18,7 +18,7 @@ tower replica (stages/registry.py), and a tower's records to the scheduler name 
 | EncodeFailed | preprocess | cache | a compressed image that does not decode, with the reason |
 | PreprocessDone | preprocess | cache | one item left that worker (decoded, failed or lost): one fewer outstanding there |
 | PreprocessRestarted | preprocess | cache | a new preprocess process: the cache may send that worker items again |
-| PreprocessDown | preprocess | cache | the worker died (the supervisor writes it on the dead one's ring): what it had outstanding is forgotten, none sent to it until it is back |
+| PreprocessDown | preprocess | cache | the worker died (the supervisor writes it on the dead one's ring): its count of items outstanding is dropped, none sent to it until it is back |
 | Batch | scheduler | tower | the items of one tower batch, output space reserved in the embedding arena, to the replica with the most credit |
 | ReadyItem | tower | sender | a fresh item's rows in the embedding arena |
 | ReadyItem | cache | sender | a cache hit's rows, or a waiter served by an identical item's encode |

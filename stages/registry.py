@@ -100,8 +100,8 @@ def last_words(name: str) -> list[tuple[str, object]]:
     """What the supervisor writes on a dead stage's own output rings, in its place, before
     its successor starts: behind everything the dead one pushed, ahead of anything the
     successor will. A tower replica's: the scheduler sends it nothing until it is back. A
-    preprocess worker's: the cache forgets the items it counted there (those it held fail
-    with their rooms) and sends it none until it is back."""
+    preprocess worker's: the cache drops the count of items outstanding there and sends
+    it none until it is back."""
     k = replica_of(name)
     if k is not None:
         return [(SCHEDULER, TowerDown(k))]

@@ -15,10 +15,12 @@ import io
 import itertools
 import os
 import signal
+import threading
 import time
 
 import numpy as np
 import PIL.Image
+import psutil
 import pytest
 
 from ipc import media, shm
@@ -211,6 +213,8 @@ def test_both_workers_take_work_and_serve_the_right_rows(mode, shm_prefix, tmp_p
             assert all(per_worker.values()), per_worker
             assert sum(per_worker.values()) == len(rooms), per_worker
             assert w.stats()["preprocess_items"]["decoded"] == len(rooms), "the workers' counts, summed"
+            wait_for("items counted outstanding after they were done", lambda: set(
+                w.stats()["per_stage"][registry.CACHE]["preprocess_outstanding"].values()) == {0}, 10)
         finally:
             rx.close()
             client.close()
@@ -218,16 +222,53 @@ def test_both_workers_take_work_and_serve_the_right_rows(mode, shm_prefix, tmp_p
         w.close()
 
 
+class Stopper:
+    """SIGSTOPs the first new child of this process (the worker's supervisor runs here)
+    the moment it appears: a replacement stage, long before it can be ready."""
+
+    def __init__(self):
+        self.me = psutil.Process()
+        self.known = {c.pid for c in self.me.children()}
+        self.stopped: int | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.running = True
+        self.thread.start()
+
+    def _run(self) -> None:
+        while self.running and self.stopped is None:
+            for c in self.me.children():
+                if c.pid not in self.known:
+                    os.kill(c.pid, signal.SIGSTOP)
+                    self.stopped = c.pid
+                    return
+            time.sleep(0.002)
+
+    def close(self) -> None:
+        self.running = False
+        self.thread.join(5)
+
+
+def wait_for(what: str, cond, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, what
+        time.sleep(0.01)
+
+
 @pytest.mark.parametrize("how", ["kill", "stop"])
 def test_a_dead_or_hung_worker_fails_only_what_it_held_and_the_other_keeps_serving(how, shm_prefix, tmp_path):
     """A window of rooms in flight; one worker, while it holds rooms, SIGKILLed (a decoder
-    that crashes) or SIGSTOPped (one that hangs: the hang killer ends it). The rooms it
-    held fail naming it; every other room is served with its rows; the other worker
-    serves throughout and is never restarted; rooms after are served by both; /dev/shm
-    holds nothing of the run once it is closed."""
+    that crashes) or SIGSTOPped (one that hangs: the hang killer ends it), and its
+    replacement SIGSTOPped as it starts (the supervisor would give it up after
+    stage_start_timeout_s; here the test kills it). While it is down, the cache sends the
+    other worker every image, and those rooms are served; the rooms the dead one held
+    fail naming it; every other room is served with its rows; the other worker is never
+    restarted; rooms after are served by both; /dev/shm holds nothing of the run once it
+    is closed."""
     cfg = sim_config(shm_prefix, tmp_path, preprocess_workers=2, heartbeat_timeout_s=1.0,
-                     bootstrap_timeout_s=30.0, **BOUNDS)
+                     stage_start_timeout_s=120.0, bootstrap_timeout_s=60.0, **BOUNDS)
     w = start_worker("pipeline", cfg)
+    stopper = None
     try:
         client = Client(w.cfg.intake, shm_prefix)
         rx = Receiver("rx0", w.cfg.bootstrap, buffer_bytes=64 << 20)
@@ -237,27 +278,35 @@ def test_a_dead_or_hung_worker_fails_only_what_it_held_and_the_other_keeps_servi
             pid, other_pid = sup.procs[victim].pid, sup.procs[other].pid
             sent = Sent(client, rx, size=(640, 480))  # a decode long enough to be caught holding
             rooms = sent.rooms(range(100, 164))
-            deadline = time.monotonic() + 30
-            while not sup.rooms.held_by(1 << registry.owner_of(victim)):
-                assert time.monotonic() < deadline, "the victim never held a room"
-                time.sleep(0.001)
+            wait_for("the victim never held a room", lambda: sup.rooms.held_by(1 << registry.owner_of(victim)))
+            stopper = Stopper()
             os.kill(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
-            end = time.monotonic() + 60
-            while sup.restart_counts[victim] < 1:
-                assert time.monotonic() < end, f"the {victim} stage was not restarted"
-                time.sleep(0.05)
+            wait_for("no replacement appeared", lambda: stopper.stopped is not None)
+            wait_for("the cache did not learn of the death",
+                     lambda: victim in w.stats()["per_stage"][registry.CACHE].get("preprocess_down", ()))
+            # Down: every image goes to the other, and is served while the replacement is stopped.
+            during = sent.rooms(range(2000, 2012))
+            assert sent.check(during, failing_ok=None) == 0
+            assert sup.restart_counts[victim] == 0
+            os.kill(stopper.stopped, signal.SIGKILL)  # a start given up: another is spawned
+            wait_for(f"the {victim} stage was not restarted", lambda: sup.restart_counts[victim] >= 1)
             assert sent.check(rooms, failing_ok=victim) > 0, "the victim held no room"
             assert sup.procs[other].pid == other_pid
             assert sup.restart_counts == {s: int(s == victim) for s in sup.stages}
-            assert decoded(w, other) > 0
             # Fresh rooms after: served, by both (the successor is sent work again).
             after = sent.rooms(range(1000, 1012))
             assert sent.check(after, failing_ok=None) == 0
             assert decoded(w, victim) > 0, "the successor was sent no work"
+            # Nothing in flight: the cache counts nothing outstanding, not even the items
+            # the dead one took with it.
+            wait_for("items counted outstanding for ever", lambda: set(
+                w.stats()["per_stage"][registry.CACHE]["preprocess_outstanding"].values()) == {0}, 10)
         finally:
             rx.close()
             client.close()
     finally:
+        if stopper is not None:
+            stopper.close()
         w.close()
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(shm_prefix)]
 
