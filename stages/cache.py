@@ -12,8 +12,8 @@ from stages import registry
 from stages.base import POLL_S, Stage
 from stages.embedding_cache import EmbeddingCache, InflightMisses, cache_key, make_key
 from stages.store_tier import StoreSettings, StoreTier, tower_identity
-from stages.records import (OWNER_CACHE, OWNER_INTAKE, Encoded, EncodeFailed, ReadyItem, RoomAbandoned,
-                            RoomFailure, SpaceWanted, WorkItem)
+from stages.records import (OWNER_CACHE, OWNER_INTAKE, Encoded, EncodeFailed, PreprocessDone, PreprocessDown,
+                            PreprocessRestarted, ReadyItem, RoomAbandoned, RoomFailure, SpaceWanted, WorkItem)
 
 
 class CacheStage(Stage):
@@ -33,6 +33,14 @@ class CacheStage(Stage):
     store's deadline) is scheduled. What the tower encodes is put into the store.
     Workers do not single-flight among themselves: identical misses on two workers at
     once are each encoded.
+
+    A miss of a compressed image goes to a preprocess worker first (`preprocess`, their
+    stage names): to the live one with the fewest items outstanding (sent, not yet
+    `PreprocessDone`), so a slow or hung worker is sent no more while another has fewer.
+    A dead one is sent nothing from its `PreprocessDown` until its successor's
+    `PreprocessRestarted`, and its count is dropped: the successor takes again what the
+    dead one had not released from its ring and reports each done (the count stops at
+    zero), so nothing the dead one took stays counted for ever, whatever became of it.
     """
 
     name = registry.CACHE
@@ -40,8 +48,13 @@ class CacheStage(Stage):
 
     def __init__(self, emit, *, pixel_arena: Arena, cache: EmbeddingCache, hidden: int, dtype: str,
                  trust_client_hash: bool = False, custody=None, content_key: bytes | None = None,
-                 row_bytes: int = 0, store: StoreTier | None = None):
+                 row_bytes: int = 0, store: StoreTier | None = None,
+                 preprocess: tuple[str, ...] = (registry.PREPROCESS,)):
         super().__init__(emit, custody)
+        self.preprocess = preprocess
+        self.outstanding = [0] * len(preprocess)  # items sent to each worker, not yet done
+        self.down: set[int] = set()  # workers dead and not yet back
+        self.next_worker = 0  # where a tie starts: idle workers take turns
         # The run's key (the same as intake's): items whose pixels intake did not hash are hashed here.
         self.content_key = content_key if content_key is not None else wire.new_cache_key()
         self.content_key_id = wire.cache_key_id(self.content_key)
@@ -70,8 +83,17 @@ class CacheStage(Stage):
             case Encoded(item=w):
                 self._encoded(w, source)
             case EncodeFailed(item=w, reason=reason, rooms=rooms):
-                code = ReasonCode.BAD_REQUEST if source == registry.PREPROCESS else ReasonCode.TOWER_ERROR
+                code = ReasonCode.BAD_REQUEST if registry.kind_of(source) == registry.PREPROCESS \
+                    else ReasonCode.TOWER_ERROR
                 self._encode_failed(w, reason, rooms, code)
+            case PreprocessDone(worker=k):
+                # A dead worker's ring reaches its successor after its count was dropped.
+                self.outstanding[k] = max(0, self.outstanding[k] - 1)
+            case PreprocessDown(worker=k):
+                self.outstanding[k] = 0
+                self.down.add(k)
+            case PreprocessRestarted(worker=k):
+                self.down.discard(k)
             case SpaceWanted(nbytes=nbytes):
                 self.flush_inserts()
                 self.cache.give_back(nbytes)
@@ -96,6 +118,9 @@ class CacheStage(Stage):
                "cache_key_id": self.content_key_id}
         if self.store is not None:
             out.update(self.store.stats())
+        if len(self.preprocess) > 1:
+            out["preprocess_outstanding"] = dict(zip(self.preprocess, self.outstanding))
+            out["preprocess_down"] = sorted(self.preprocess[k] for k in self.down)
         return out
 
     def close(self) -> None:
@@ -170,7 +195,7 @@ class CacheStage(Stage):
 
     def _schedule(self, w: WorkItem) -> None:
         self.outcomes["miss"] += 1
-        self.emit(_encoder_of(w), w)
+        self.emit(self._encoder_of(w), w)
         self.custody.release(w.slot, w.room)
 
     def _store_answered(self, key: tuple, rows) -> None:
@@ -255,7 +280,7 @@ class CacheStage(Stage):
             if not _same(f, w):
                 self.custody.release(f.slot, f.room)
         if again is not None:
-            self.emit(_encoder_of(again), again)
+            self.emit(self._encoder_of(again), again)
             self.custody.release(again.slot, again.room)
 
     def _abandon(self, room: int) -> None:
@@ -280,9 +305,21 @@ class CacheStage(Stage):
             if keep and waiters[0].room == room and not asking:  # else the store's answer decides
                 promoted.append(keep[0])
         for w in promoted:
-            self.emit(_encoder_of(w), w)
+            self.emit(self._encoder_of(w), w)
             self.custody.release(w.slot, w.room)
         self.custody.forget(room)
+
+    def _encoder_of(self, w: WorkItem) -> str:
+        """Where a miss goes: patches to be batched; a compressed image to be decoded first,
+        by the live worker with the fewest items outstanding (counted here as sent)."""
+        if w.media is None:
+            return registry.SCHEDULER
+        n = len(self.preprocess)
+        live = [k for k in range(n) if k not in self.down] or range(n)  # none live: its ring waits for it
+        k = min(live, key=lambda k: (self.outstanding[k], (k - self.next_worker) % n))
+        self.outstanding[k] += 1
+        self.next_worker = (k + 1) % n
+        return self.preprocess[k]
 
     def _drop_pixels(self, w: WorkItem) -> None:
         if w.pixels is None:  # the tower already let go of them
@@ -298,11 +335,6 @@ def _same(a: WorkItem, b: WorkItem) -> bool:
     return (a.room, a.item) == (b.room, b.item)
 
 
-def _encoder_of(w: WorkItem) -> str:
-    """Where a miss goes: a compressed image to be decoded first, patches to be batched."""
-    return registry.SCHEDULER if w.media is None else registry.PREPROCESS
-
-
 def build(env, name, emit, custody) -> CacheStage:
     cfg, spec, sh = env.cfg, env.spec, env.shared
     cache = EmbeddingCache(sh.emb_arena, OWNER_CACHE, cfg.arena_cache_bytes, cfg.host_cache_bytes)
@@ -315,4 +347,5 @@ def build(env, name, emit, custody) -> CacheStage:
         store = StoreTier(settings, tower_identity(cfg.tower, spec, cfg.tower_config, cfg.run_dir), content_key)
     return CacheStage(emit, pixel_arena=sh.pixel_arena, cache=cache, hidden=spec.hidden, dtype=spec.dtype,
                       trust_client_hash=cfg.trust_client_hash, custody=custody, content_key=content_key,
-                      row_bytes=spec.row_bytes, store=store)
+                      row_bytes=spec.row_bytes, store=store,
+                      preprocess=tuple(registry.preprocess_names(cfg.preprocess_workers)))

@@ -2,7 +2,9 @@
 
 A stage of its own, in its own process in the pipeline, because decoding runs native
 code on bytes a peer chose: a decoder that crashes or hangs takes this process alone,
-and the supervisor fails exactly the rooms it held and starts another.
+and the supervisor fails exactly the rooms it held and starts another. With
+`preprocess_workers` N > 1 there are N such stages (`preprocess0` ..), each with its own
+owner number and rings; the cache spreads the misses among them.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from ipc.arena import Arena, ArenaFull, Lease, StaleLease
 from ipc.stats import ReasonCode
 from stages import registry
 from stages.base import POLL_S, Stage
-from stages.records import OWNER_PREPROCESS, EncodeFailed, RoomFailure, WorkItem
+from stages.records import EncodeFailed, PreprocessDone, PreprocessRestarted, RoomFailure, WorkItem
 
 log = logging.getLogger("epd.preprocess")
 
@@ -31,17 +33,26 @@ class PreprocessStage(Stage):
     a repeated image is never decoded. Each item's patches take a lease of their own in
     the pixel arena; while the arena has no room, items wait here in order (`waiting`).
     An image that does not decode goes back to the cache as an `EncodeFailed` (the cache
-    fails its room, and tries the next identical item waiting on it, if any)."""
+    fails its room, and tries the next identical item waiting on it, if any).
 
-    name = registry.PREPROCESS
-    owner = OWNER_PREPROCESS
+    Every item that leaves, whatever its end, is a `PreprocessDone` to the cache, which
+    counts the items outstanding at each worker. `name` is the worker's stage name
+    (stages/registry.py), which gives its owner number."""
 
-    def __init__(self, emit, *, pixel_arena: Arena, settings: media.ImageSettings, custody=None):
+    def __init__(self, emit, *, pixel_arena: Arena, settings: media.ImageSettings, custody=None,
+                 name: str = registry.PREPROCESS):
         super().__init__(emit, custody)
+        self.name = name
+        self.worker = registry.worker_of(name)
+        self.owner = registry.owner_of(name)
         self.pixel_arena = pixel_arena
         self.settings = settings
         self.waiting: deque[WorkItem] = deque()  # in our custody, their bytes ours, patches not leased yet
         self.outcomes = Counter()
+
+    def start(self) -> None:
+        # The cache sends a worker nothing between its death and this (registry.last_words).
+        self.emit(registry.CACHE, PreprocessRestarted(self.worker))
 
     def handle(self, source: str, rec) -> None:
         match rec:
@@ -66,6 +77,7 @@ class PreprocessStage(Stage):
         except StaleLease:
             self.emit(registry.REAPER, RoomFailure(w.slot, w.room, f"the image's bytes were lost before decoding "
                                                    f"({source} died)", ReasonCode.STAGE_DIED))
+            self.emit(registry.CACHE, PreprocessDone(self.worker))
             self.custody.release(w.slot, w.room)
             return
         self.waiting.append(w)
@@ -112,6 +124,7 @@ class PreprocessStage(Stage):
         self.outcomes["decoded"] += 1
         self._drop(w.pixels)
         self.emit(registry.SCHEDULER, replace(w, pixels=lease, media=None))
+        self.emit(registry.CACHE, PreprocessDone(self.worker))
         self.custody.release(w.slot, w.room)
 
     def _fail(self, w: WorkItem, lease: Lease | None, reason: str, code: ReasonCode | None = None) -> None:
@@ -125,6 +138,7 @@ class PreprocessStage(Stage):
         else:
             # Through the cache: identical items of other rooms wait on this one there.
             self.emit(registry.CACHE, EncodeFailed(replace(w, pixels=None), reason, (w.room,)))
+        self.emit(registry.CACHE, PreprocessDone(self.worker))
         self.custody.release(w.slot, w.room)
 
     def _drop(self, lease: Lease) -> None:
@@ -169,4 +183,4 @@ def _processor_config(path: str) -> dict | None:
 
 def build(env, name, emit, custody) -> PreprocessStage:
     return PreprocessStage(emit, pixel_arena=env.shared.pixel_arena, settings=image_settings(env.cfg, env.spec),
-                           custody=custody)
+                           custody=custody, name=name)

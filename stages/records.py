@@ -5,7 +5,8 @@ carries leases into them. A stage handles its records with `match`. The same
 values travel through an in-memory queue (one process) or a shared-memory ring
 (one process per stage, pickled). "supervisor" is the runtime around the stages
 (the supervisor process, or the in-process worker's own loop); "tower" is every
-tower replica (stages/registry.py), and a tower's records to the scheduler name it.
+tower replica (stages/registry.py), and a tower's records to the scheduler name it;
+"preprocess" is every preprocess worker, and their records to the cache name it.
 
 | record | from | to | carries |
 | --- | --- | --- | --- |
@@ -15,6 +16,9 @@ tower replica (stages/registry.py), and a tower's records to the scheduler name 
 | WorkItem | cache | preprocess | a miss of a compressed image, to be decoded into patches |
 | WorkItem | preprocess | scheduler | the same, its patches now in the pixel arena (`media` None) |
 | EncodeFailed | preprocess | cache | a compressed image that does not decode, with the reason |
+| PreprocessDone | preprocess | cache | one item left that worker (decoded, failed or lost): one fewer outstanding there |
+| PreprocessRestarted | preprocess | cache | a new preprocess process: the cache may send that worker items again |
+| PreprocessDown | preprocess | cache | the worker died (the supervisor writes it on the dead one's ring): its count of items outstanding is dropped, none sent to it until it is back |
 | Batch | scheduler | tower | the items of one tower batch, output space reserved in the embedding arena, to the replica with the most credit |
 | ReadyItem | tower | sender | a fresh item's rows in the embedding arena |
 | ReadyItem | cache | sender | a cache hit's rows, or a waiter served by an identical item's encode |
@@ -145,6 +149,21 @@ class TowerDown:
 
 
 @dataclass(frozen=True, slots=True)
+class PreprocessDone:
+    worker: int
+
+
+@dataclass(frozen=True, slots=True)
+class PreprocessRestarted:
+    worker: int
+
+
+@dataclass(frozen=True, slots=True)
+class PreprocessDown:
+    worker: int
+
+
+@dataclass(frozen=True, slots=True)
 class SpaceWanted:
     nbytes: int
 
@@ -255,6 +274,7 @@ UNHURRIED = frozenset({
                                # first poll for it)
     (REAPER, AllocSeen),       # who must hear how the room ends; it ends later
     (SENDER, RoomSucceeded),   # what is left of the room can go
+    (CACHE, PreprocessDone),   # counts for the next miss the cache routes, which wakes it
 })
 
 def _pickled_as_tuple(cls):

@@ -193,6 +193,9 @@ class WorkerConfig:
     tower_threads: int = setting(0, "torch intra-op threads of each tower process; 0: one per CPU the "
                                     "process may run on (its affinity, after any NUMA pinning), not the "
                                     "host's count")
+    preprocess_workers: int = setting(1, f"preprocess processes (compressed images decoded into patches), 1 "
+                                         f"to {registry.MAX_PREPROCESS_WORKERS}; the cache sends each miss "
+                                         f"to the one with the fewest items outstanding")
     log_level: str = setting("WARNING", "DEBUG, INFO, WARNING or ERROR, for the supervisor and every "
                                         "stage process")
     log_format: str = setting("text", "text (one line per event) or json (one JSON object per line: time, "
@@ -302,6 +305,9 @@ class WorkerConfig:
         if not 1 <= self.tower_replicas <= registry.MAX_TOWER_REPLICAS:
             raise ConfigError(f"tower_replicas must be 1 to {registry.MAX_TOWER_REPLICAS}, "
                               f"got {self.tower_replicas}", "tower_replicas")
+        if not 1 <= self.preprocess_workers <= registry.MAX_PREPROCESS_WORKERS:
+            raise ConfigError(f"preprocess_workers must be 1 to {registry.MAX_PREPROCESS_WORKERS}, "
+                              f"got {self.preprocess_workers}", "preprocess_workers")
         gpus = [g.strip() for g in self.gpus.split(",")]
         if not all(g.isdigit() for g in gpus) or len(gpus) != self.tower_replicas:
             raise ConfigError(f"gpus must list {self.tower_replicas} CUDA device numbers (one per tower "
@@ -348,7 +354,7 @@ class WorkerConfig:
                 raise ConfigError(f"metrics_endpoint must be '' or host:port (a port 0-65535), "
                                   f"got {self.metrics_endpoint!r}", "metrics_endpoint")
         self._check_exposure()
-        parse_numa(self.numa, self.tower_replicas)
+        parse_numa(self.numa, self.tower_replicas, self.preprocess_workers)
         self._check_status_ipc_dirs()
         self._validate_shared_cache()
         return self
@@ -381,9 +387,10 @@ class WorkerConfig:
         return tower.tower_kwargs({s.key: getattr(self, s.key) for s in tower.settings})
 
 
-def parse_numa(text: str, replicas: int = 1) -> str | dict[str, int]:
+def parse_numa(text: str, replicas: int = 1, workers: int = 1) -> str | dict[str, int]:
     """`numa` as "auto", "off", or {stage or "*": node}; a bare node number is {"*": node}.
-    A stage is one of the run's (with `replicas` towers), or `tower` for every replica."""
+    A stage is one of the run's (with `replicas` towers and `workers` preprocess workers),
+    `tower` for every replica, or `preprocess` for every worker."""
     if text in ("auto", "off"):
         return text
     if text.isdigit():
@@ -394,8 +401,8 @@ def parse_numa(text: str, replicas: int = 1) -> str | dict[str, int]:
         if not eq or not node.isdigit():
             raise ConfigError(f"numa must be auto, off, a node number or 'stage=node,...,*=node', "
                               f"got {text!r} (bad part {part.strip()!r})", "numa")
-        names = registry.stage_names(replicas)
-        if stage not in ("*", registry.TOWER, *names):
+        names = registry.stage_names(replicas, workers)
+        if stage not in ("*", registry.TOWER, registry.PREPROCESS, *names):
             raise ConfigError(f"numa names no stage {stage!r}: stages are {', '.join(names)} "
                               f"(or * for the rest)", "numa")
         if stage in plan:

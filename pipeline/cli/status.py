@@ -101,7 +101,7 @@ def read_run(prefix: str, run_id: str, pid: int) -> dict:
         hb = Heartbeats(segment("heartbeats"))  # its rows say which stages the run has
         try:
             depth = Counter()
-            for src, dst in wiring.edges(registry.replicas_of(len(hb.stages))):
+            for src, dst in wiring.edges(hb.towers, hb.preprocessors):
                 ring = Ring(segment(wiring.ring_name(src, dst)), _NoSemaphore(), _NoSemaphore(),
                             (wiring.ring_name(src, dst), "", ""))
                 try:

@@ -94,14 +94,24 @@ def totals_of(stats: dict) -> Totals:
 
 def merge_stats(per_stage: dict[str, dict]) -> dict:
     """The worker's stats: every stage's stats() in one dict, numbers that several stages
-    report (the tower replicas' counters) summed, and each stage's own under "per_stage"."""
+    report (the tower replicas' counters) summed, and counts by outcome too (the
+    preprocess workers'), and each stage's own under "per_stage"."""
     out: dict = {}
     for stats in per_stage.values():
         for key, value in stats.items():
-            both_numbers = isinstance(value, (int, float)) and isinstance(out.get(key), (int, float))
-            out[key] = out[key] + value if both_numbers else value
+            before = out.get(key)
+            if isinstance(value, (int, float)) and isinstance(before, (int, float)):
+                out[key] = before + value
+            elif _counts(value) and _counts(before):
+                out[key] = {k: before.get(k, 0) + value.get(k, 0) for k in before.keys() | value.keys()}
+            else:
+                out[key] = value
     out["per_stage"] = per_stage
     return out
+
+
+def _counts(value) -> bool:
+    return isinstance(value, dict) and all(isinstance(n, int) for n in value.values())
 
 
 class StageTotals:

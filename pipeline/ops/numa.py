@@ -149,12 +149,12 @@ def plan(setting: str, gpu: int, stages: list[str], sysfs_root: str = "/sys", *,
     (`tower_gpus`), every other stage on the node of `gpu`; none pinned on a
     machine with one node, and a stage whose GPU's node is unknown unpinned.
     "N": every stage on node N. "tower=1,sender=1,*=0": per stage ("tower" for
-    every replica, "tower1" for one), "*" for the rest (a stage not named, without
-    "*", is left unpinned). A node's CPUs are cut down to `allowed` (the CPUs this
+    every replica, "tower1" for one; "preprocess" for every worker), "*" for the
+    rest (a stage not named, without "*", is left unpinned). A node's CPUs are cut down to `allowed` (the CPUs this
     process may use: taskset, cgroup cpuset).
     """
-    replicas = sum(registry.replica_of(s) is not None for s in stages)
-    wanted = parse_numa(setting, max(1, replicas))  # "auto", "off" or {stage or "*": node}; its errors name numa
+    replicas, workers = registry.counts_of(stages)
+    wanted = parse_numa(setting, max(1, replicas), max(1, workers))  # "auto", "off" or {stage or "*": node}; its errors name numa
     if wanted == "off":
         return {s: None for s in stages}
     node_cpus = nodes(sysfs_root)
@@ -205,7 +205,7 @@ def placement(cfg: WorkerConfig) -> dict[str, list[int] | None]:
     """`plan()` for this machine, every stage, and this process's allowed CPUs; the stages
     other than the towers go with the first replica's GPU."""
     gpus = cfg.gpu_list()
-    return plan(cfg.numa, gpus[0], registry.stage_names(cfg.tower_replicas),
+    return plan(cfg.numa, gpus[0], registry.stage_names(cfg.tower_replicas, cfg.preprocess_workers),
                 visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"), allowed=os.sched_getaffinity(0),
                 tower_gpus=dict(zip(registry.tower_names(cfg.tower_replicas), gpus)))
 

@@ -2,7 +2,7 @@
 each stage's heartbeat row, its published counters, and intake's journal of the
 frame in hand. Each is an ipc.shared_table.SharedTable: the supervisor creates them, a
 row or region per stage of the run; stages attach, and find the run's stages from the
-number of rows or regions in the header (stages.registry.replicas_of)."""
+numbers of tower replicas and preprocess workers in the header."""
 from __future__ import annotations
 
 import pickle
@@ -13,8 +13,11 @@ from ipc.shared_table import HEADER_BYTES, SharedTable
 from stages import registry
 
 
-# How many stages a run can have: a board holds a row or region for each.
-RUN_SIZES = range(len(registry.stage_names(1)), len(registry.stage_names(registry.MAX_TOWER_REPLICAS)) + 1)
+def run_stages(towers: int, preprocessors: int) -> list[str]:
+    """The stages of a run whose board has this geometry: a row or region for each."""
+    if not (1 <= towers <= registry.MAX_TOWER_REPLICAS and 1 <= preprocessors <= registry.MAX_PREPROCESS_WORKERS):
+        raise ValueError(f"a board of {towers} towers and {preprocessors} preprocess workers: not a run's stages")
+    return registry.stage_names(towers, preprocessors)
 
 
 class DrainOrder(IntEnum):
@@ -31,23 +34,21 @@ class Heartbeats(SharedTable):
     """Per stage: pid, last beat (time.monotonic), ready flag, restarts, the fraction of
     the last second its loop spent working, and the drain's handshake. float64 in shared memory."""
 
-    MAGIC = 0x6862_6561_7400_0001  # layout 1
+    MAGIC = 0x6862_6561_7400_0002  # layout 2: its stages by towers and preprocess workers
     KIND = "heartbeat table"
-    GEOMETRY = ("rows",)
+    GEOMETRY = ("towers", "preprocessors")
     FIELDS = 7
     PID, BEAT, READY, RESTARTS, BUSY, DRAIN_ORDER, DRAIN_DONE = range(7)
     # DRAIN_ORDER is the supervisor's ask of the request stage (a DrainOrder); DRAIN_DONE
     # the stage's answer, the order it carried out once it read its socket to the end.
 
     @classmethod
-    def segment_size(cls, rows: int) -> int:
-        if rows not in RUN_SIZES:
-            raise ValueError(f"a heartbeat table of {rows} rows: not a run's stages")
-        return HEADER_BYTES + rows * cls.FIELDS * 8
+    def segment_size(cls, towers: int, preprocessors: int) -> int:
+        return HEADER_BYTES + len(run_stages(towers, preprocessors)) * cls.FIELDS * 8
 
     @classmethod
     def create(cls, prefix: str, run_id: str, stages: list[str]) -> "Heartbeats":
-        return super().create(prefix, run_id, "heartbeats", len(stages))
+        return super().create(prefix, run_id, "heartbeats", *registry.counts_of(stages))
 
     @classmethod
     def attach(cls, prefix: str, run_id: str, readonly: bool = False) -> "Heartbeats":
@@ -57,7 +58,8 @@ class Heartbeats(SharedTable):
         import numpy as np
 
         super().__init__(segment)
-        self.stages = registry.stage_names(registry.replicas_of(self.rows))
+        self.stages = run_stages(self.towers, self.preprocessors)
+        self.rows = len(self.stages)
         self.table = np.frombuffer(self.buf, dtype=np.float64, count=self.rows * self.FIELDS,
                                    offset=HEADER_BYTES).reshape(self.rows, self.FIELDS)
 
@@ -130,20 +132,18 @@ class StatsBoard(SharedTable):
     """Each stage's counters (a pickled dict), rewritten by the stage a few times a second,
     read by the supervisor: `run.py status`, tests and benchmarks see them."""
 
-    MAGIC = 0x7374_6174_7300_0001  # layout 1
+    MAGIC = 0x7374_6174_7300_0002  # layout 2: its stages by towers and preprocess workers
     KIND = "stats board"
-    GEOMETRY = ("regions",)
+    GEOMETRY = ("towers", "preprocessors")
     REGION = 64 << 10
 
     @classmethod
-    def segment_size(cls, regions: int) -> int:
-        if regions not in RUN_SIZES:
-            raise ValueError(f"a stats board of {regions} regions: not a run's stages")
-        return HEADER_BYTES + regions * cls.REGION
+    def segment_size(cls, towers: int, preprocessors: int) -> int:
+        return HEADER_BYTES + len(run_stages(towers, preprocessors)) * cls.REGION
 
     @classmethod
     def create(cls, prefix: str, run_id: str, stages: list[str]) -> "StatsBoard":
-        return super().create(prefix, run_id, "stats", len(stages))
+        return super().create(prefix, run_id, "stats", *registry.counts_of(stages))
 
     @classmethod
     def attach(cls, prefix: str, run_id: str, readonly: bool = False) -> "StatsBoard":
@@ -151,7 +151,7 @@ class StatsBoard(SharedTable):
 
     def __init__(self, segment):
         super().__init__(segment)
-        self.stages = registry.stage_names(registry.replicas_of(self.regions))
+        self.stages = run_stages(self.towers, self.preprocessors)
 
     def write(self, stage: str, stats: dict) -> None:
         data = pickle.dumps(stats, protocol=5)

@@ -42,7 +42,7 @@ class InProcessWorker:
         self.published_at = 0.0
         self.run.notifier.status("starting the stages")
         try:
-            for name in registry.stage_names(self.cfg.tower_replicas):
+            for name in registry.stage_names(self.cfg.tower_replicas, self.cfg.preprocess_workers):
                 self.stages[name] = self.env.build(name, self.channel.emitter(name), None)
             self.spec = self.env.spec
             self.loop = Loop(list(self.stages.values()), self.channel, self.env.zmq_context, self.env.curve)

@@ -115,9 +115,9 @@ class StageHost:
         self.bell = shm.open_semaphore(bell_of(name))
         self.channel = RingChannel(
             {src: Ring.attach(p, run_id, wiring.ring_name(src, name), doorbell=bell_of(name))
-             for src in wiring.inputs_of(name, cfg.tower_replicas)},
+             for src in wiring.inputs_of(name, cfg.tower_replicas, cfg.preprocess_workers)},
             {dst: Ring.attach(p, run_id, wiring.ring_name(name, dst), doorbell=bell_of(dst))
-             for dst in wiring.outputs_of(name, cfg.tower_replicas)},
+             for dst in wiring.outputs_of(name, cfg.tower_replicas, cfg.preprocess_workers)},
             self.bell, self._beat)
         self.custody = TableCustody(shared.rooms, registry.owner_of(name))
         self.stage = self.env.build(name, self.channel.emitter(name), self.custody)

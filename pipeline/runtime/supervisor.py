@@ -91,8 +91,8 @@ class Supervisor:
 
     def __init__(self, cfg):
         cfg = cfg.resolved().validate()
-        self.stages = registry.stage_names(cfg.tower_replicas)
-        edges = wiring.edges(cfg.tower_replicas)
+        self.stages = registry.stage_names(cfg.tower_replicas, cfg.preprocess_workers)
+        edges = wiring.edges(cfg.tower_replicas, cfg.preprocess_workers)
         self.placement = numa.placement(cfg)  # each stage's CPUs (None: unpinned)
         if any(self.placement.values()):
             log.info("NUMA placement: %s", ", ".join(f"{s} on CPUs {numa.format_cpulist(c)}" if c else
@@ -161,7 +161,7 @@ class Supervisor:
             self._watching.set()
             self._hang_killer = threading.Thread(target=self._kill_hung, name="hang-killer", daemon=True)
             self._hang_killer.start()
-            order = registry.start_order(self.cfg.tower_replicas)
+            order = registry.start_order(self.cfg.tower_replicas, self.cfg.preprocess_workers)
             for n, name in enumerate(order, 1):
                 self.run.notifier.status(f"starting the {name} stage ({n} of {len(order)})")
                 st = self._spawn(name)

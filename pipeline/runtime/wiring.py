@@ -20,7 +20,8 @@ from stages import registry
 from stages.registry import CACHE, INTAKE, PREPROCESS, REAPER, SCHEDULER, SENDER, SUPERVISOR, TOWER
 
 
-# (producer, consumer) between stage kinds; `edges()` gives each tower replica its own.
+# (producer, consumer) between stage kinds; `edges()` gives each tower replica and each
+# preprocess worker its own.
 EDGES = [
     # A consumer takes its rings in this order each round. The supervisor's first: the
     # reaper must learn of a sender's death (RoomsLost) before it handles what the
@@ -39,19 +40,20 @@ EDGES = [
 ]
 
 
-def edges(replicas: int) -> list[tuple[str, str]]:
-    """(producer, consumer) with `replicas` towers: one single-producer single-consumer ring each."""
-    towers = registry.tower_names(replicas)
-    expand = lambda stage: towers if stage == TOWER else [stage]  # noqa: E731
+def edges(replicas: int, workers: int = 1) -> list[tuple[str, str]]:
+    """(producer, consumer) with `replicas` towers and `workers` preprocess workers: one
+    single-producer single-consumer ring each."""
+    many = {TOWER: registry.tower_names(replicas), PREPROCESS: registry.preprocess_names(workers)}
+    expand = lambda stage: many.get(stage, [stage])  # noqa: E731
     return [(p, c) for src, dst in EDGES for p in expand(src) for c in expand(dst)]
 
 
-def inputs_of(stage: str, replicas: int) -> list[str]:
-    return [p for p, c in edges(replicas) if c == stage]
+def inputs_of(stage: str, replicas: int, workers: int = 1) -> list[str]:
+    return [p for p, c in edges(replicas, workers) if c == stage]
 
 
-def outputs_of(stage: str, replicas: int) -> list[str]:
-    return [c for p, c in edges(replicas) if p == stage]
+def outputs_of(stage: str, replicas: int, workers: int = 1) -> list[str]:
+    return [c for p, c in edges(replicas, workers) if p == stage]
 
 
 def supervisor_reader() -> str:
@@ -162,6 +164,12 @@ ARENA_BLOCK = 4096  # bytes of an arena block: a lease takes whole blocks, one a
 ARENA_OWNERS = 16
 
 
+def arena_owners(cfg: WorkerConfig) -> int:
+    """Owner slots of the arenas: 16, and more for preprocess workers past the first
+    (their owner numbers, stages/registry.py, lie past 16)."""
+    return max([ARENA_OWNERS] + [registry.owner_of(s) + 1 for s in registry.preprocess_names(cfg.preprocess_workers)])
+
+
 def lease_slots(arena_bytes: int, in_flight: int) -> int:
     """Lease slots for an arena of `arena_bytes` that holds up to `in_flight` leases at
     once by the limits; never more than its blocks (each lease takes one at least), so
@@ -184,7 +192,7 @@ def embedding_leases(cfg: WorkerConfig) -> int:
 def tables_bytes(cfg: WorkerConfig) -> int:
     """/dev/shm taken by the receiver, told and held-alloc tables and the arenas' lease
     tables (for the start-up check)."""
-    arenas = sum(Arena.segment_size(-(-size // ARENA_BLOCK) * ARENA_BLOCK, ARENA_BLOCK, leases, ARENA_OWNERS)
+    arenas = sum(Arena.segment_size(-(-size // ARENA_BLOCK) * ARENA_BLOCK, ARENA_BLOCK, leases, arena_owners(cfg))
                  for size, leases in ((cfg.pixel_arena_bytes, pixel_leases(cfg)),
                                       (cfg.embedding_arena_bytes, embedding_leases(cfg))))
     return (ReceiverTable.size_of() + ToldTable.size_of(told_capacity(cfg), cfg.max_items_per_request)
@@ -202,10 +210,10 @@ def create_shared(cfg: WorkerConfig, run_id: str, own, placement: dict | None = 
     p = cfg.shm_prefix
     with numa.first_touch(placement.get(INTAKE)):
         pixel_arena = own(Arena.create(p, run_id, "pixels", cfg.pixel_arena_bytes, block_size=ARENA_BLOCK,
-                                       max_leases=pixel_leases(cfg), max_owners=ARENA_OWNERS))
+                                       max_leases=pixel_leases(cfg), max_owners=arena_owners(cfg)))
     towers = registry.tower_names(cfg.tower_replicas)
     emb_arena = own(Arena.create(p, run_id, "emb", cfg.embedding_arena_bytes, block_size=ARENA_BLOCK,
-                                 max_leases=embedding_leases(cfg), max_owners=ARENA_OWNERS, slices=len(towers),
+                                 max_leases=embedding_leases(cfg), max_owners=arena_owners(cfg), slices=len(towers),
                                  touch=lambda k: numa.first_touch(placement.get(towers[k]))))
     return Shared(pixel_arena, emb_arena, own(RoomTable.create(p, run_id, "rooms", room_capacity(cfg))),
                   own(ReceiverTable.create(p, run_id, "receivers")),

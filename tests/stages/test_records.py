@@ -29,8 +29,9 @@ ON_DEATH_ONLY = {
 # Taken when the embedding arena runs short (tests/runtime/test_end_to_end.py's give-back test).
 ON_SHORTAGE_ONLY = {("SpaceWanted", "scheduler", "cache")}
 # Written by the runtime itself, not emitted by a stage: to the reaper, and on a dead
-# tower's ring in its place (stages/registry.py's last_words).
+# tower's or preprocess worker's ring in its place (stages/registry.py's last_words).
 SENT_BY_THE_RUNTIME = {("RoomsLost", "supervisor", "reaper"), ("TowerDown", "tower", "scheduler"),
+                       ("PreprocessDown", "preprocess", "cache"),
                        ("IntakeRestarted", "supervisor", "reaper")}
 
 
