@@ -20,7 +20,7 @@ MAX_TOWER_REPLICAS = 8
 assert OWNER_REAPER + MAX_TOWER_REPLICAS - 1 < OWNER_PREPROCESS < 16
 # Preprocess worker 0 is OWNER_PREPROCESS; worker k > 0 takes PREPROCESS_OWNERS_AT + k,
 # past the 16 slots (owner 15 stays free for a stage to come): a run with more than one
-# worker makes its arenas with more owner slots (pipeline/wiring.py's arena_owners),
+# worker makes its arenas with more owner slots (pipeline/runtime/wiring.py's arena_owners),
 # inside the room table's 32 custody bits. Independent of the tower replicas' numbers,
 # so the two caps combine freely.
 MAX_PREPROCESS_WORKERS = 8

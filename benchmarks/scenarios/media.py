@@ -126,8 +126,8 @@ def intake_cpu(b: Bench, data: list[bytes], compressed: bool, tag: str) -> dict:
 
 def scaling_trial(b: Bench, data: list[bytes], workers: int, tag: str, window: int = 8) -> dict:
     """Images/s of a pipeline worker with `workers` preprocess processes, `window` rooms in flight."""
-    from pipeline.client import Client, image_item
-    from pipeline.receiver import Receiver
+    from pipeline.peers.client import Client, image_item
+    from pipeline.peers.receiver import Receiver
     from pipeline.testing.workers import sim_config, start_worker
 
     prefix = f"bm{os.getpid() % 100000}{tag}"

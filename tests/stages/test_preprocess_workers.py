@@ -25,10 +25,10 @@ import pytest
 
 from ipc import media, shm
 from ipc.arena import Arena
-from pipeline import wiring
-from pipeline.client import Client, image_item
-from pipeline.config import ConfigError, WorkerConfig
-from pipeline.receiver import Receiver
+from pipeline.runtime import wiring
+from pipeline.peers.client import Client, image_item
+from pipeline.cli.config import ConfigError, WorkerConfig
+from pipeline.peers.receiver import Receiver
 from stages import registry
 from stages.cache import CacheStage
 from stages.embedding_cache import EmbeddingCache
@@ -312,8 +312,8 @@ def test_a_dead_or_hung_worker_fails_only_what_it_held_and_the_other_keeps_servi
 
 
 def test_numa_and_status_name_every_worker(shm_prefix, tmp_path):
-    from pipeline import numa
-    from pipeline.config import parse_numa
+    from pipeline.ops import numa
+    from pipeline.cli.config import parse_numa
 
     assert parse_numa("preprocess=0,preprocess1=1,*=0", 1, 2) == {"preprocess": 0, "preprocess1": 1, "*": 0}
     with pytest.raises(ConfigError, match="preprocess2"):
@@ -323,7 +323,7 @@ def test_numa_and_status_name_every_worker(shm_prefix, tmp_path):
     cfg = sim_config(shm_prefix, tmp_path, preprocess_workers=2, **BOUNDS)
     w = start_worker("pipeline", cfg)
     try:
-        from pipeline.status import live_runs, read_run
+        from pipeline.cli.status import live_runs, read_run
 
         (run_id, pid), = live_runs(shm_prefix).items()
         status = read_run(shm_prefix, run_id, pid)
