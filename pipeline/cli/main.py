@@ -38,8 +38,8 @@ import sys
 import textwrap
 import time
 
-from pipeline.cli.config import (ConfigError, WorkerConfig, add_flags, flags_given, format_config, load_config,
-                             setup_logging)
+from pipeline.cli.config import ConfigError, WorkerConfig, add_flags, flags_given, format_config, load_config
+from pipeline.ops.logs import setup_logging
 from pipeline.runtime.background import free_port
 from stages.registry import SUPERVISOR
 

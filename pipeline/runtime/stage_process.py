@@ -15,7 +15,8 @@ from ipc.ring import Ring
 from pipeline.ops import numa
 from pipeline.runtime import wiring
 from pipeline.runtime.boards import DrainOrder, Heartbeats, IntakeJournal, StatsBoard
-from pipeline.cli.config import WorkerConfig, setup_logging
+from pipeline.cli.config import WorkerConfig
+from pipeline.ops.logs import setup_logging
 from pipeline.runtime.loop import Env, Loop, RingChannel
 from pipeline.runtime.serving import SHUTTING_DOWN, SignalFlag
 from stages.base import TableCustody

@@ -12,7 +12,8 @@ import tomllib
 import pytest
 
 from pipeline.cli.config import (FIELDS, SIZE_FORMS, ConfigError, WorkerConfig, add_flags, flags_given,
-                             format_config, load_config, parse_numa, parse_size, setup_logging)
+                                 format_config, load_config, parse_numa, parse_size)
+from pipeline.ops.logs import setup_logging
 
 
 def write(tmp_path, text: str) -> str:

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from pipeline.peers.client import Client, Item
-from pipeline.cli.config import setup_logging
+from pipeline.ops.logs import setup_logging
 from tests.helpers import PipelineWorker, ThreadedWorker, image, sim_config
 
 pytestmark = pytest.mark.timeout(300)
