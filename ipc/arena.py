@@ -175,31 +175,31 @@ class Arena(SharedTable):
         super().__init__(meta)
         self._data, self._meta = data, meta
         self.nblocks = self.size // self.block_size
-        L, O, nb = self.max_leases, self.max_owners, self.nblocks
+        L, W, nb = self.max_leases, self.max_owners, self.nblocks
         if data.size < self.size:
             raise shm.ShmError(f"arena data {data.name!r} is smaller than its table {meta.name!r} says")
-        lay = self._lay = _layout(nb, L, O)
+        lay = self._lay = _layout(nb, L, W)
         mv, mm = meta.buf, meta.buf.obj
         # memoryview casts for scalar access (fast, plain ints), numpy for scans.
         self._h = mv[lay["header"]:lay["header"] + 8 * _H_WORDS].cast("q")
         self._jq = mv[lay["jint"]:lay["jint"] + 8 * _J_WORDS].cast("q")
-        self._jr = mv[lay["jrefs"]:lay["jrefs"] + 4 * O].cast("I")
+        self._jr = mv[lay["jrefs"]:lay["jrefs"] + 4 * W].cast("I")
         self._st = mv[lay["state"]:lay["state"] + L]
         self._gen = mv[lay["gen"]:lay["gen"] + 4 * L].cast("I")
         self._start = mv[lay["start"]:lay["start"] + 8 * L].cast("q")
         self._nblk = mv[lay["nblk"]:lay["nblk"] + 8 * L].cast("q")
         self._len = mv[lay["length"]:lay["length"] + 8 * L].cast("q")
-        self._refs = mv[lay["refs"]:lay["refs"] + 4 * L * O].cast("I")
+        self._refs = mv[lay["refs"]:lay["refs"] + 4 * L * W].cast("I")
         self._map = mv[lay["map"]:lay["map"] + nb]
         self._mm = mm
         self._n_state = np.frombuffer(mm, np.uint8, L, lay["state"])
         self._n_start = np.frombuffer(mm, np.int64, L, lay["start"])
         self._n_nblk = np.frombuffer(mm, np.int64, L, lay["nblk"])
-        self._n_refs = np.frombuffer(mm, np.uint32, L * O, lay["refs"]).reshape(L, O)
+        self._n_refs = np.frombuffer(mm, np.uint32, L * W, lay["refs"]).reshape(L, W)
         self._n_map = np.frombuffer(mm, np.uint8, nb, lay["map"])
         self._zeros = memoryview(bytes(nb))
         self._ones = memoryview(b"\x01" * nb)
-        self._zrow = memoryview(bytes(4 * O)).cast("I")
+        self._zrow = memoryview(bytes(4 * W)).cast("I")
         a = np.frombuffer(data.buf.obj, np.uint8, 1, 0)
         self.address = int(a.ctypes.data)
         del a

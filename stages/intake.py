@@ -102,7 +102,8 @@ class IntakeStage(Stage):
             segments.unlink_left(self.prefix, name)
         self.journal.record(None, [])
         if room is not None and self.rooms.find(room) is None:
-            self.emit(registry.REAPER, RoomFailure(None, room, "the intake stage died while it held this room", ReasonCode.STAGE_DIED))
+            self.emit(registry.REAPER, RoomFailure(None, room, "the intake stage died while it held this room",
+                                                   ReasonCode.STAGE_DIED))
 
     def refuse(self, reason: str) -> None:
         self.refusing = reason

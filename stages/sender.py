@@ -260,7 +260,8 @@ class SenderStage(Stage):
         except StaleLease:
             tx = self.live.get(r.room)
             if tx is not None:
-                self._fail(r.room, tx, f"embedding was lost before it could be sent ({source} died)", ReasonCode.STAGE_DIED)
+                self._fail(r.room, tx, f"embedding was lost before it could be sent ({source} died)",
+                           ReasonCode.STAGE_DIED)
             return
         tx = self.live.get(r.room)
         if tx is None:

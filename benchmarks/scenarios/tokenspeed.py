@@ -63,7 +63,8 @@ def tokenspeed(b: Bench) -> None:
         print(f"  {k}:\n{describe(r)}", flush=True)
     rate = {k: [t["images_per_s"] for t in r["trials"]] for k, r in res.items()}
     cpu = {k: [sum(t["cpu_ms_per_image"].values()) for t in r["trials"]] for k, r in res.items()}
-    for key, got, fmt, note in ((KEY, rate, ".1f", "images/s"), (CPU_KEY, cpu, ".2f", "ms of CPU per image, every process")):
+    for key, got, fmt, note in ((KEY, rate, ".1f", "images/s"),
+                                (CPU_KEY, cpu, ".2f", "ms of CPU per image, every process")):
         ratios = [f / n for f, n in zip(got["tokenspeed"], got["native"])]
         b.results[f"{key}_rounds"] = ratios
         mid = ratios.index(statistics.median_low(ratios))

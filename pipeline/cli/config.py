@@ -311,7 +311,8 @@ class WorkerConfig:
             raise ConfigError(f"gpus must list {self.tower_replicas} CUDA device numbers (one per tower "
                               f"replica, tower_replicas), got {self.gpus!r}", "gpus")
         for name in ["bootstrap_timeout_s", "tombstone_ttl_s", "heartbeat_timeout_s",
-                     "restart_window_s", "start_timeout_s", "stage_start_timeout_s", "status_socket_idle_s", "registration_idle_s",
+                     "restart_window_s", "start_timeout_s", "stage_start_timeout_s", "status_socket_idle_s",
+                     "registration_idle_s",
                      "max_deadline_s"]:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}", name)

@@ -53,7 +53,8 @@ EXIT_CODES = {
     "demo": "0 every room succeeded; 1 a room failed, a protocol violation, or a stage kept dying "
             "(restart_limit); 2 bad configuration or flags; 3 the worker could not start",
     "serve": "0 stopped by SIGTERM/SIGINT after draining; 1 a stage kept dying (more than restart_limit "
-             "restarts in restart_window_s, or restart_limit + 1 failed starts in a row); 2 bad configuration or flags; 3 the worker could not start",
+             "restarts in restart_window_s, or restart_limit + 1 failed starts in a row); 2 bad configuration or "
+             "flags; 3 the worker could not start",
     "config": "0 the configuration is valid; 2 bad configuration or flags",
     "status": "0 a worker with this shm prefix is running; 2 bad configuration or flags; "
               "4 no worker with this shm prefix is running",
@@ -234,7 +235,10 @@ def demo(cfg: WorkerConfig, mode: str) -> int:
     ok = sum(1 for r in results.values() if r[0] == "success")
     images = sum(len(items) for items in workload)
     arena, host = _hit_rate(stats)
-    pct = lambda q: lats[min(len(lats) - 1, int(q * len(lats)))] * 1000 if lats else 0.0
+
+    def pct(q: float) -> float:
+        return lats[min(len(lats) - 1, int(q * len(lats)))] * 1000 if lats else 0.0
+
     print(f"\nrooms: {ok} succeeded, {len(workload) - ok} failed or missing")
     print(f"images/s: {images / elapsed:.1f}   latency p50 {pct(0.5):.1f} ms  p99 {pct(0.99):.1f} ms")
     print(f"cache hit rate: arena {arena:.0%}  host {host:.0%}  in-flight duplicates {stats['dedup_hits']}")
@@ -250,7 +254,8 @@ def bench(argv: list[str]) -> int:
 
     The benchmarks are not part of the installed package: they run from a source
     checkout, or an editable install of one, where benchmarks/ sits beside pipeline/."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks", "bench.py")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.path.join(root, "benchmarks", "bench.py")
     if not os.path.exists(path):
         print(f"error: bench runs from a source checkout of the worker (no {path} here): "
               "clone it and run scripts/setup.sh there", file=sys.stderr)

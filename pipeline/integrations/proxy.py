@@ -284,8 +284,8 @@ def main(argv: list[str], prog: str = "run.py proxy") -> int:
         # pass buy little and, beside other requests' threads, spin for the cores.
         torch.set_num_threads(args.threads)
     host, _, port = args.listen.rpartition(":")
-    proxy = Proxy(Preprocessor(args.model, args.mm_processor_kwargs, args.send_compressed), args.worker, args.vllm, args.deadline_ms,
-                  args.curve_cert, args.worker_cert)
+    proxy = Proxy(Preprocessor(args.model, args.mm_processor_kwargs, args.send_compressed), args.worker, args.vllm,
+                  args.deadline_ms, args.curve_cert, args.worker_cert)
     server = serve(proxy, host or "127.0.0.1", int(port))
     print(f"proxy on http://{args.listen} -> {args.vllm}, {len(args.worker)} worker(s)", file=sys.stderr, flush=True)
     try:

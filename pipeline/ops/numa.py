@@ -154,7 +154,8 @@ def plan(setting: str, gpu: int, stages: list[str], sysfs_root: str = "/sys", *,
     process may use: taskset, cgroup cpuset).
     """
     replicas, workers = registry.counts_of(stages)
-    wanted = parse_numa(setting, max(1, replicas), max(1, workers))  # "auto", "off" or {stage or "*": node}; its errors name numa
+    # "auto", "off" or {stage or "*": node}; its errors name numa
+    wanted = parse_numa(setting, max(1, replicas), max(1, workers))
     if wanted == "off":
         return {s: None for s in stages}
     node_cpus = nodes(sysfs_root)

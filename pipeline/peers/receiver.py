@@ -401,12 +401,12 @@ class Receiver:
         self._free.append((off, n))
         self._free.sort()
         merged = [self._free[0]]
-        for o, l in self._free[1:]:
+        for o, n in self._free[1:]:
             po, pl = merged[-1]
             if po + pl == o:
-                merged[-1] = (po, pl + l)
+                merged[-1] = (po, pl + n)
             else:
-                merged.append((o, l))
+                merged.append((o, n))
         self._free = merged
 
     def close(self) -> None:

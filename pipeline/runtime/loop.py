@@ -403,8 +403,6 @@ def set_torch_threads(threads: int) -> int:
     the count set, 0 when torch is not loaded (a tower without torch). Torch's own default
     is the host's cores, which oversubscribes a process pinned to fewer, or one that
     shares its cores with an inference engine."""
-    import sys
-
     torch = sys.modules.get("torch")
     if torch is None:
         return 0

@@ -13,7 +13,6 @@ whole start.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from pipeline.runtime.boards import Heartbeats

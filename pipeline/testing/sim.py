@@ -34,7 +34,10 @@ def expected_sim_rows(pixels: np.ndarray, modality: str, span: int, hidden: int,
     pattern = sim_pattern(dtype)
     seed = xxhash.xxh3_64_intdigest(np.ascontiguousarray(pixels).tobytes(),
                                     seed={"image": 0, "video": 1}[modality])
-    idx = lambda off, n: pattern[(off + np.arange(n)) % pattern.size]
+
+    def idx(off: int, n: int) -> np.ndarray:
+        return pattern[(off + np.arange(n)) % pattern.size]
+
     main = idx(seed % PATTERN_MOD, span * hidden).reshape(span, hidden)
     deep = None
     if ds_width:

@@ -82,7 +82,8 @@ def test_frames_translate_into_native_messages():
 
 
 @pytest.mark.parametrize("parts", [
-    [], [b"x"] * 12, [b"x"] * 14, _pre_alloc(room=b"-1"), _pre_alloc(room=b"\xff"), _pre_alloc(room=str(2**64).encode()),
+    [], [b"x"] * 12, [b"x"] * 14, _pre_alloc(room=b"-1"), _pre_alloc(room=b"\xff"),
+    _pre_alloc(room=str(2**64).encode()),
     _pre_alloc(dtype=b"torch.int8"), _pre_alloc(deep=b"2"), _pre_alloc(fanout=b"0"), _pre_alloc(ptr=b"1234"),
     _pre_alloc(n=b"1e3"), [b"None", b"h", b"0", b"s", bytes(8), bytes(8)],
 ])

@@ -61,9 +61,11 @@ def test_vllm_engine():
     # those of this session's tests running beside it.
     env = {**os.environ, "TEST_SHM_TOKEN": secrets.token_hex(3)}
     proc = subprocess.run([str(VLLM_PYTHON), "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:randomly",
-                           "tests/integrations/test_vllm_engine.py"], cwd=ROOT, capture_output=True, text=True, timeout=540,
+                           "tests/integrations/test_vllm_engine.py"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=540,
                           env=env)
-    assert proc.returncode == 0, f"tests/integrations/test_vllm_engine.py in .venv-vllm failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (f"tests/integrations/test_vllm_engine.py in .venv-vllm failed:\n"
+                                  f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}")
 
 
 

@@ -218,14 +218,16 @@ def test_aborted_request_and_deadline_cancel_their_rooms(sim):
         assert not sched.ensure_cache_available(aborted, 0)
         sched.request_finished(aborted)  # vLLM aborts it: the connector cancels its room
         wait_for(lambda: concluded(w, "failed", "canceled"), 30, "the worker to cancel room 14")
-        wait_for(lambda: not sched.connector_scheduler.draining, 30, "room 14's buffer to be released", step=sched.connector_scheduler.poll)
+        side = sched.connector_scheduler
+        wait_for(lambda: not side.draining, 30, "room 14's buffer to be released", step=side.poll)
         assert not sched.connector_scheduler.receiver.shards
         late = fake_request("e", 15, w.cfg.bootstrap, ["u5"])
         wait_for(lambda: "e" in sched.connector_scheduler.unavailable, 30, "room 15's deadline",
                  step=lambda: sched.ensure_cache_available(late, 0))
         assert "deadline_s" in sched.connector_scheduler.unavailable["e"]
         sched.request_finished(late)
-        wait_for(lambda: not sched.connector_scheduler.draining and not sched.connector_scheduler.receiver.shards, 30, "room 15's release",
+        side = sched.connector_scheduler
+        wait_for(lambda: not side.draining and not side.receiver.shards, 30, "room 15's release",
                  step=sched.connector_scheduler.poll)
         # A request whose media vLLM's prefix cache already covers needs no room.
         cached = fake_request("f", 16, w.cfg.bootstrap, ["u6"])
@@ -250,7 +252,8 @@ def test_a_hit_in_vllms_encoder_cache_cancels_the_room(sim):
         assert sched.ensure_cache_available(hit, 100)
         client.encode(18, "r18", [Item("image", *image(7))])
         wait_for(lambda: concluded(w, "failed", "canceled"), 30, "the worker to cancel room 18")
-        wait_for(lambda: not sched.connector_scheduler.draining, 30, "the worker's answer", step=sched.connector_scheduler.poll)
+        side = sched.connector_scheduler
+        wait_for(lambda: not side.draining, 30, "the worker's answer", step=side.poll)
         assert sched.ensure_cache_available(hit, 100) and not sched.connector_scheduler.receiver.shards
         # Preempted, it recomputes its prompt: from vLLM's cache while u7 is there, else
         # it fails with the reason (its room is gone).
@@ -268,7 +271,8 @@ def test_a_hit_in_vllms_encoder_cache_cancels_the_room(sim):
         sched.request_finished(evicted)
         sched.build_connector_meta(None)
         sched.build_connector_meta(None)
-        wait_for(lambda: not sched.connector_scheduler.draining and not sched.connector_scheduler.receiver.shards, 30, "the rooms' release", step=sched.connector_scheduler.poll)
+        side = sched.connector_scheduler
+        wait_for(lambda: not side.draining and not side.receiver.shards, 30, "the rooms' release", step=side.poll)
     finally:
         client.close()
         sched.shutdown()
@@ -451,7 +455,8 @@ def engine(kind: str, tmp: Path, shutdown_timeout: int = 0):
     log = tmp / "server.log"
     extra = ["--shutdown-timeout", str(shutdown_timeout)] if shutdown_timeout else []
     try:
-        proc, url = start_server(model, ec, str(log), pythonpath=[str(ROOT / "tests" / "integrations")], extra_args=extra)
+        proc, url = start_server(model, ec, str(log), pythonpath=[str(ROOT / "tests" / "integrations")],
+                                 extra_args=extra)
         try:
             wait_ready(proc, url, str(log))
             yield SimpleNamespace(kind=kind, model=model, worker=worker, url=url, record=record, log=log,

@@ -124,7 +124,7 @@ def _assert_sound(arena: Arena) -> list[Lease]:
         assert lease.offset >= end, f"leases overlap: {live}"
         end = lease.offset + _blocks(arena, lease.length) * arena.block_size
         assert end <= arena.size
-    assert arena.used_bytes() == sum(_blocks(arena, l.length) for l in live) * arena.block_size
+    assert arena.used_bytes() == sum(_blocks(arena, lease.length) for lease in live) * arena.block_size
     return live
 
 
@@ -137,7 +137,7 @@ def _fill_free_space(arena: Arena, owner: int) -> None:
         lease = arena.alloc(n, owner)
         assert lease is not None, "alloc found no room for the largest free run"
         got.append(lease)
-    assert sum(l.length for l in got) == free
+    assert sum(lease.length for lease in got) == free
     for lease in got:
         assert arena.drop(lease, owner) is True
     assert arena.size - arena.used_bytes() == free
@@ -318,7 +318,7 @@ class ArenaMachine(RuleBasedStateMachine):
 
     def _free_runs(self) -> list[tuple[int, int]]:
         """(start block, length) of the free runs, by the model."""
-        used = sorted((l.offset // BS, _blocks(self.arena, l.length)) for l in self.model)
+        used = sorted((lease.offset // BS, _blocks(self.arena, lease.length)) for lease in self.model)
         runs, pos = [], 0
         for start, n in used:
             if start > pos:
@@ -417,7 +417,7 @@ class ArenaMachine(RuleBasedStateMachine):
         a = self.arena
         live = _assert_sound(a)
         assert set(live) == set(self.model)
-        assert a.used_bytes() == sum(_blocks(a, l.length) for l in self.model) * BS
+        assert a.used_bytes() == sum(_blocks(a, lease.length) for lease in self.model) * BS
         assert _largest_free(a) == max((n for _, n in self._free_runs()), default=0) * BS
         for lease, refs in self.model.items():
             assert a.refs(lease) == refs
@@ -467,7 +467,7 @@ def test_dead_holder_is_reclaimed_exactly(make_arena, shm_prefix):
         arena.transfer(given, 3, 0)
         for i, lease in enumerate(mine):
             arena.view(lease)[:4] = struct.pack("<I", i)
-        os.write(w, repr([tuple(l) for l in mine] + [tuple(given)]).encode() + b"\n")
+        os.write(w, repr([tuple(lease) for lease in mine] + [tuple(given)]).encode() + b"\n")
         while True:
             time.sleep(1)
 

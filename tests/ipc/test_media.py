@@ -84,12 +84,14 @@ def corpus():
         "jpeg-exif-rot180": (with_orientation(rgb, 3), "jpeg"),
         "jpeg-exif-transverse": (with_orientation(rgb, 7), "jpeg"),
         "jpeg-gray": (save(Image.fromarray(picture(300, 200, 6)[..., 0]), "JPEG"), "jpeg"),
-        "jpeg-cmyk": (save(Image.frombytes("CMYK", (300, 220), picture(300, 220, 7, channels=4).tobytes()), "JPEG"), "jpeg"),
+        "jpeg-cmyk": (save(Image.frombytes("CMYK", (300, 220), picture(300, 220, 7, channels=4).tobytes()), "JPEG"),
+                      "jpeg"),
         "jpeg-progressive": (save(rgb, "JPEG", progressive=True, quality=85), "jpeg"),
         "png-rgb": (save(rgb, "PNG"), "png"),
         "png-rgba": (save(Image.fromarray(picture(250, 190, 8, channels=4)), "PNG"), "png"),
         "png-gray": (save(Image.fromarray(picture(150, 149, 9)[..., 0]), "PNG"), "png"),
-        "png-gray-alpha": (save(Image.fromarray(np.ascontiguousarray(picture(150, 149, 10, channels=4)[..., 2:])), "PNG"), "png"),
+        "png-gray-alpha": (save(Image.fromarray(np.ascontiguousarray(picture(150, 149, 10, channels=4)[..., 2:])),
+                                "PNG"), "png"),
         "png-palette-transparent": (save(rgb.quantize(64), "PNG", transparency=3), "png"),
         "png-16bit-gray": (save(Image.fromarray(picture(120, 90, 11)[..., 0].astype(np.uint16) * 257), "PNG"),
                            "png"),
@@ -144,7 +146,8 @@ def png_claiming(width: int, height: int) -> bytes:
     def chunk(kind: bytes, body: bytes) -> bytes:
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 1024)) + chunk(b"IEND", b"")
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 1024))
+            + chunk(b"IEND", b""))
 
 
 HOSTILE = {

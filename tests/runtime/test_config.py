@@ -309,7 +309,8 @@ def test_the_tower_takes_one_torch_thread_per_cpu_it_may_run_on():
             "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
             "Env(WorkerConfig(tower='qwen2.5-vl', tower_config='tiny', gpus='0'), '00000000', None).tower(0)\n"
             "print(torch.get_num_threads())\n"
-            "Env(WorkerConfig(tower='qwen2.5-vl', tower_config='tiny', gpus='0', tower_threads=3), '00000000', None).tower(0)\n"
+            "Env(WorkerConfig(tower='qwen2.5-vl', tower_config='tiny', gpus='0', tower_threads=3), '00000000',"
+            " None).tower(0)\n"
             "print(torch.get_num_threads())\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,

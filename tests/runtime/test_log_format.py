@@ -3,7 +3,6 @@ stage processes' as well as the supervisor's, and a failed room is logged with i
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import time

@@ -15,7 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_plot_writes_a_png_of_both_modes(tmp_path):
-    lat = lambda base: {"p50": base, "p90": base + 1, "p99": base + 3}
+    def lat(base: float) -> dict:
+        return {"p50": base, "p90": base + 1, "p99": base + 3}
+
     results = {"pipeline": {
         "load": {"windows": [1, 4, 16], "inprocess": [200.0, 350.0, 420.0], "pipeline": [150.0, 330.0, 440.0]},
         "raw": {"cpu_bound_inprocess": {"latency_ms": lat(4.0), "images_per_s": 450.0},

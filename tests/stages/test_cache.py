@@ -28,7 +28,8 @@ from stages.embedding_cache import (
     split_entry,
 )
 from stages.cache import CacheStage
-from stages.records import OWNER_CACHE, OWNER_INTAKE, OWNER_TOWER, Encoded, EncodeFailed, ReadyItem, RoomAbandoned, WorkItem
+from stages.records import (OWNER_CACHE, OWNER_INTAKE, OWNER_TOWER, Encoded, EncodeFailed, ReadyItem, RoomAbandoned,
+                            WorkItem)
 
 CACHE, CALLER, READER, HOG = 0, 1, 2, 3
 BLOCK = 64

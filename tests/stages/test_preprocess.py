@@ -9,7 +9,6 @@ other rooms of the same moment are served.
 from __future__ import annotations
 
 import base64
-import io
 import itertools
 import time
 

@@ -1,7 +1,7 @@
 """The shared store tier: two workers of either mode and a real mooncake_master on loopback
 (served across workers, a forged value, a stalled, killed and restarted master, a killed
-store node, a worker stopped once its master is gone); then the tier alone and the cache stage beside it, on a client in memory that
-stalls at will; and the towers' identities."""
+store node, a worker stopped once its master is gone); then the tier alone and the cache
+stage beside it, on a client in memory that stalls at will; and the towers' identities."""
 from __future__ import annotations
 
 import ctypes
@@ -217,7 +217,8 @@ def test_a_store_node_killed_fails_no_room_of_the_others(master, shm_prefix, tmp
         wait_for(lambda: store(a)["puts"] == 4, 30, "A's puts")
         pid = a.runtime.procs["cache"].pid
         os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: getattr(a.runtime.procs["cache"], "pid", None) != pid, 30, "the supervisor to restart A's cache stage")
+        wait_for(lambda: getattr(a.runtime.procs["cache"], "pid", None) != pid, 30,
+                 "the supervisor to restart A's cache stage")
         pair.check(pair.encode(1, [51, 52, 53, 54]))
         # The master places entries on its segments in turn: those in A's fail (or, once the
         # master has dropped A's segment, miss) and are encoded.

@@ -38,7 +38,8 @@ def dense_event(c) -> None:
         kill_receiver(c, kind)
         return
     stopped = c.stopped[0] if c.stopped else None
-    names = [n for n in registry.stage_names(c.w.cfg.tower_replicas, c.w.cfg.preprocess_workers) if n != stopped and c.live_stage_pid(n)]
+    names = [n for n in registry.stage_names(c.w.cfg.tower_replicas, c.w.cfg.preprocess_workers)
+             if n != stopped and c.live_stage_pid(n)]
     if kind == "stop_stage" and stopped:
         kind = "kill_stage"  # one stopped stage at a time: the watch follows one
     if kind == "stop_starting" and stopped:

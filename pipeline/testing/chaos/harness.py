@@ -298,7 +298,8 @@ class Chaos:
         now = time.monotonic()
         if self.s.dense and now >= self.next_progress:
             self.next_progress = now + 5.0
-            holders = [n for n in registry.stage_names(self.w.cfg.tower_replicas, self.w.cfg.preprocess_workers) if n != registry.REAPER]
+            holders = [n for n in registry.stage_names(self.w.cfg.tower_replicas, self.w.cfg.preprocess_workers)
+                       if n != registry.REAPER]
             self.log(f"progress: {len(self.rooms)} rooms sent, {self.open_rooms()} open; held by "
                      + ", ".join(f"{n} {self.held_by(n)}" for n in holders))
 
