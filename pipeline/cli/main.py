@@ -50,7 +50,8 @@ log = logging.getLogger("epd.run")
 PROG = "epd-worker"
 
 EXIT_CODES = {
-    "demo": "0 every room succeeded; 1 a room failed, a protocol violation, or a stage kept dying "
+    "demo": "0 every room succeeded; 1 a room failed, a JPEG's rows differed from its pixels', a protocol "
+            "violation, or a stage kept dying "
             "(restart_limit); 2 bad configuration or flags; 3 the worker could not start",
     "serve": "0 stopped by SIGTERM/SIGINT after draining; 1 a stage kept dying (more than restart_limit "
              "restarts in restart_window_s, or restart_limit + 1 failed starts in a row); 2 bad configuration or "
@@ -115,13 +116,14 @@ def _receiver_main(bootstrap: str, conn, cfg: WorkerConfig) -> None:
                 if room in r.failed:
                     conn.send((room, "failed", r.failed[room], ""))
                 else:
-                    digest = hashlib.sha1()
+                    digests = []
                     for i in range(n):
                         main, deep = r.rows(room, i)
-                        digest.update(main.tobytes())
+                        digest = hashlib.sha1(main.tobytes())
                         if deep is not None:
                             digest.update(deep.tobytes())
-                    conn.send((room, "success", "", digest.hexdigest()[:12]))
+                        digests.append(digest.hexdigest()[:12])
+                    conn.send((room, "success", "", digests))
                 r.release(room)
         if r.violations:
             conn.send(("violations", r.violations))
@@ -144,24 +146,52 @@ def _progress(results: dict, total: int, images: int, elapsed: float, stats: dic
           f"(arena {arena:.0%}, host {host:.0%})", end="", file=sys.stderr, flush=True)
 
 
-def _workload(patch_dim: int, merge: int):
-    """Images of several sizes, some repeated, a multi-item room and a video."""
+def _jpegs() -> list[bytes]:
+    """Synthetic pictures (gradients and grain) as JPEG files, of sizes the patches tile."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    files = []
+    for width, height in ((112, 112), (224, 224), (280, 168), (224, 336), (448, 448)):
+        y, x = np.mgrid[0:height, 0:width]
+        rgb = np.stack([x * 255 // width, y * 255 // height, (x + y) * 127 // (width + height)], axis=-1)
+        rgb = (rgb + rng.integers(0, 48, rgb.shape)).clip(0, 255).astype(np.uint8)
+        out = io.BytesIO()
+        Image.fromarray(rgb).save(out, "JPEG", quality=90)
+        files.append(out.getvalue())
+    return files
+
+
+TWIN_ROOM = 8  # its two items: a JPEG sent compressed, and the pixels the worker makes of it
+
+
+def _workload(cfg: WorkerConfig, spec):
+    """JPEGs of several sizes, some repeated, sent compressed (the worker decodes them);
+    one room with a JPEG beside the pixels the worker makes of it, whose rows must be
+    equal; a video sent as pixels."""
     import numpy as np
 
-    from pipeline.peers.client import Item
+    from ipc import media
+    from pipeline.peers.client import Item, image_item
+    from stages.preprocess import image_settings
 
-    grids = [(1, 8, 8), (1, 16, 16), (1, 12, 20), (1, 24, 16), (1, 32, 32)]
+    jpegs = _jpegs()
+    bounds = dict(min_pixels=cfg.image_min_pixels, max_pixels=cfg.image_max_pixels, patch=spec.patch,
+                  merge=spec.merge)
     rng = np.random.default_rng(0)
-    pool = [rng.standard_normal((g[0] * g[1] * g[2], patch_dim), dtype=np.float32) for g in grids]
     rooms = []
     for k in range(40):
-        g = k % len(grids) if k % 4 else (k // 4) % len(grids)   # every 4th repeats an earlier image
-        items = [Item("image", [list(grids[g])], pool[g])]
-        if k == 7:
-            items.append(Item("image", [list(grids[0])], pool[0] + 1))
+        g = k % len(jpegs) if k % 4 else (k // 4) % len(jpegs)   # every 4th repeats an earlier image
+        items = [image_item(jpegs[g], "jpeg", **bounds)]
+        if 1 + k == TWIN_ROOM:
+            pixels, grid = media.preprocess(jpegs[0], "jpeg", image_settings(cfg, spec))
+            items = [image_item(jpegs[0], "jpeg", **bounds), Item("image", [list(grid)], pixels)]
         if k == 11:
             t = (2, 8, 8)
-            items = [Item("video", [list(t)], rng.standard_normal((128, patch_dim), dtype=np.float32))]
+            items = [Item("video", [list(t)], rng.standard_normal((128, spec.patch_dim), dtype=np.float32))]
         rooms.append(items)
     return rooms
 
@@ -187,7 +217,7 @@ def demo(cfg: WorkerConfig, mode: str) -> int:
         parent.recv()
         time.sleep(0.2)  # let its register reach the worker before the first alloc
         client = Client(worker.cfg.intake, cfg.shm_prefix)
-        workload = _workload(spec.patch_dim, spec.merge)
+        workload = _workload(worker.cfg, spec)
         alloc_spec = dict(hidden=spec.hidden, dtype=spec.dtype, deepstack_width=spec.deepstack_width)
         sent_at = {}
         print(f"demo: {len(workload)} rooms through the {spec.name} tower "
@@ -230,7 +260,7 @@ def demo(cfg: WorkerConfig, mode: str) -> int:
     for n, items in enumerate(workload):
         room = 1 + n
         state, reason, digest, lat = results.get(room, ("missing", "no status", "", 0.0))
-        print(f"{room:>5} {len(items):>5} {state:<8} {lat * 1000:>8.1f}  {digest or reason}")
+        print(f"{room:>5} {len(items):>5} {state:<8} {lat * 1000:>8.1f}  {' '.join(digest) or reason}")
     lats = sorted(r[3] for r in results.values())
     ok = sum(1 for r in results.values() if r[0] == "success")
     images = sum(len(items) for items in workload)
@@ -243,9 +273,13 @@ def demo(cfg: WorkerConfig, mode: str) -> int:
     print(f"images/s: {images / elapsed:.1f}   latency p50 {pct(0.5):.1f} ms  p99 {pct(0.99):.1f} ms")
     print(f"cache hit rate: arena {arena:.0%}  host {host:.0%}  in-flight duplicates {stats['dedup_hits']}")
     print(f"tower: {stats['tower_batches']} batches, {stats['tower_items']} items")
+    twin = results.get(TWIN_ROOM, ("missing", "", [], 0.0))[2]
+    twins_equal = len(twin) == 2 and twin[0] == twin[1]
+    print(f"room {TWIN_ROOM}: the JPEG's rows and those of its pixels are "
+          f"{'equal' if twins_equal else 'NOT equal'}")
     if violations:
         print("protocol violations seen by the receiver:", *violations, sep="\n  ")
-    return 0 if ok == len(workload) and not violations else 1
+    return 0 if ok == len(workload) and not violations and twins_equal else 1
 
 
 # ---------------------------------------------------------------- bench

@@ -235,7 +235,7 @@ def test_stage_processes_log_at_the_configured_level_and_not_per_record(shm_pref
 @pytest.mark.parametrize("mode", ["pipeline", "inprocess"])
 def test_console_script_runs_the_demo(mode, shm_prefix, tmp_path):
     """`epd-worker` (the installed console script, run from outside the checkout) runs the
-    demo end to end: every room succeeds and the summary says so."""
+    demo end to end: every room succeeds, a JPEG's rows equal its pixels', and the summary says so."""
     script = os.path.join(sys.prefix, "bin", "epd-worker")
     if not os.path.exists(script):
         pytest.skip(f"no console script at {script}: run scripts/setup.sh")
@@ -246,3 +246,5 @@ def test_console_script_runs_the_demo(mode, shm_prefix, tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert re.search(r"^rooms: (\d+) succeeded, 0 failed or missing$", p.stdout, re.M), p.stdout[-2000:]
     assert f"mode {mode}" in p.stdout
+    # its images go in as JPEGs, which the worker decodes into the pixels a gateway would send
+    assert "the JPEG's rows and those of its pixels are equal" in p.stdout, p.stdout[-2000:]
