@@ -45,7 +45,12 @@ class ImageSettings:
     min_pixels and max_pixels bound the resized image (the processor's `size`
     shortest_edge and longest_edge); max_decoded_pixels bounds the image as decoded,
     before any resize: a few kilobytes of PNG or JPEG can claim gigapixels (a
-    decompression bomb), refused from the header before anything is decoded."""
+    decompression bomb), refused from the header before anything is decoded.
+
+    backend: whose processor the patches equal, bit for bit: "pil" (Hugging Face's PIL
+    backend: Pillow's resize) or "torchvision" (its torchvision backend, which
+    transformers gives vLLM where torchvision is installed: torch's resize,
+    ipc/media_torch.py)."""
     patch: int = 14
     merge: int = 2
     temporal_patch: int = 2
@@ -55,6 +60,7 @@ class ImageSettings:
     std: tuple[float, float, float] = CLIP_STD
     rescale: float = RESCALE
     max_decoded_pixels: int = 64 << 20
+    backend: str = "pil"
 
     @property
     def patch_dim(self) -> int:
@@ -63,7 +69,7 @@ class ImageSettings:
     def key(self) -> bytes:
         """What of the settings changes the pixels, for the cache key of compressed bytes."""
         return repr((self.patch, self.merge, self.temporal_patch, self.min_pixels, self.max_pixels,
-                     self.mean, self.std, self.rescale)).encode()
+                     self.mean, self.std, self.rescale, self.backend)).encode()
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -179,8 +185,13 @@ def preprocess(data: bytes, fmt: str, settings: ImageSettings, out: np.ndarray |
     from PIL import Image
 
     try:
-        # The processor resizes even to the same size (a copy): the same call, the same pixels.
-        resized = np.asarray(image.resize((rw, rh), resample=Image.Resampling.BICUBIC))
+        if s.backend == "torchvision":
+            from ipc import media_torch
+
+            resized = media_torch.resize(np.asarray(image), rh, rw)
+        else:
+            # The processor resizes even to the same size (a copy): the same call, the same pixels.
+            resized = np.asarray(image.resize((rw, rh), resample=Image.Resampling.BICUBIC))
     except Exception as e:
         raise MediaError(f"{fmt} image does not resize: {_short(e)}") from None
     m, p, tp = s.merge, s.patch, s.temporal_patch
@@ -193,7 +204,12 @@ def preprocess(data: bytes, fmt: str, settings: ImageSettings, out: np.ndarray |
         out = np.empty((n, s.patch_dim), dtype=np.float32)
     elif out.shape != (n, s.patch_dim) or out.dtype != np.float32:
         raise MediaError(f"output is {out.shape} {out.dtype}, the image needs ({n}, {s.patch_dim}) float32")
-    table = _table(s).reshape(3, 256)
+    if s.backend == "torchvision":
+        from ipc import media_torch
+
+        table = media_torch.table(s.mean, s.std, s.rescale)
+    else:
+        table = _table(s).reshape(3, 256)
     dst = out.reshape(n, 3, tp, p * p)
     for c in range(3):
         vals = table[c][u8[:, c]]  # [n, p * p] float32

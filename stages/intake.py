@@ -55,9 +55,11 @@ class IntakeStage(Stage):
                  row_bytes: int, emb_arena_bytes: int, max_items_per_request: int,
                  max_pixel_bytes_per_request: int, max_live_rooms: int, trust_client_hash: bool = False,
                  custody=None, endpoint: str = "", max_frame: int = 0, journal=None,
-                 content_key: bytes | None = None, image_pixels: tuple[int, int] = (56 * 56, 28 * 28 * 1280)):
+                 content_key: bytes | None = None, image_pixels: tuple[int, int] = (56 * 56, 28 * 28 * 1280),
+                 image_backend: str = "pil"):
         super().__init__(emit, custody)
         self.image_pixels = image_pixels  # compressed images' min_pixels and max_pixels where an item gives none
+        self.image_backend = image_backend  # whose processor's pixels the preprocess stage makes of them
         # Pixels are hashed under the run's secret key (the cache keys items by it): no peer can compute a key.
         self.content_key = content_key if content_key is not None else wire.new_cache_key()
         self.content_key_id = wire.cache_key_id(self.content_key)
@@ -306,7 +308,7 @@ class IntakeStage(Stage):
         kind = it.pixels.dtype
         if it.pixels.media is not None:
             fmt, _, lo, hi = self._media(it.pixels.media)
-            kind = f"media|{fmt}|{lo}|{hi}"
+            kind = f"media|{fmt}|{lo}|{hi}|{self.image_backend}"
         hasher = (None if self.trust_client_hash and it.hash is not None
                   else wire.cache_hasher(self.content_key, it.modality, it.grid_thw, kind))
         view = self.pixel_arena.view(lease)
@@ -377,4 +379,4 @@ def build(env, name, emit, custody) -> IntakeStage:
                        max_live_rooms=cfg.max_live_rooms, trust_client_hash=cfg.trust_client_hash,
                        custody=custody, endpoint=cfg.intake, max_frame=max_frame, journal=env.journal,
                        content_key=cache_key(cfg.cache_key_file, cfg.shm_prefix, env.run_id),
-                       image_pixels=(cfg.image_min_pixels, cfg.image_max_pixels))
+                       image_pixels=(cfg.image_min_pixels, cfg.image_max_pixels), image_backend=cfg.image_backend)

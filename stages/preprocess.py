@@ -164,7 +164,8 @@ def image_settings(cfg, spec) -> media.ImageSettings:
         rescale = pc.get("rescale_factor", rescale)
     return media.ImageSettings(patch=spec.patch, merge=spec.merge, temporal_patch=spec.temporal_patch,
                                min_pixels=cfg.image_min_pixels, max_pixels=cfg.image_max_pixels,
-                               mean=mean, std=std, rescale=rescale, max_decoded_pixels=cfg.max_decoded_pixels)
+                               mean=mean, std=std, rescale=rescale, max_decoded_pixels=cfg.max_decoded_pixels,
+                               backend=cfg.image_backend)
 
 
 def _processor_config(path: str) -> dict | None:

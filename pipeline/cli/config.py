@@ -140,6 +140,10 @@ class WorkerConfig:
                                              "size.shortest_edge)")
     image_max_pixels: int = setting(28 * 28 * 1280, "compressed images: the processor's max_pixels where an "
                                                     "item gives none (size.longest_edge)")
+    image_backend: str = setting("pil", "compressed images: whose processor the patches equal bit for bit: pil "
+                                        "(Hugging Face's PIL backend) or torchvision (its torchvision backend, "
+                                        "which transformers gives vLLM where torchvision is installed; the "
+                                        "preprocess stage then loads torch)")
     max_decoded_pixels: int = setting(64 << 20, "compressed images: an image larger than this many pixels as "
                                                 "decoded fails its room, from its header, before any decode")
     cache_key_file: str = setting("", "a file of the key pixels are hashed under for the cache (32 bytes, or 64 "
@@ -326,6 +330,7 @@ class WorkerConfig:
                 "arena_cache_bytes")
         choices = {
             "protocol": ("tcp", "rdma"),
+            "image_backend": ("pil", "torchvision"),
             **{s.key: s.choices for s in TOWER_SETTINGS.values() if s.choices},
             "tower": tuple(TOWERS),
         }

@@ -121,6 +121,27 @@ def test_compressed_images_give_the_rows_of_their_pixels_and_hostile_ones_fail_a
     assert decoded == len(good) * 1 + 1, stats.get("preprocess_items")
 
 
+def test_the_torchvision_backend_gives_the_rows_of_its_own_pixels(mode, shm_prefix, tmp_path, made):
+    """image_backend torchvision: a compressed image's rows are those of the pixels that
+    backend makes of it (tests/ipc/test_media_torch.py checks those against the backend)."""
+    from dataclasses import replace
+
+    w = started(made, start_worker(mode, sim_config(shm_prefix, tmp_path, image_backend="torchvision", **BOUNDS)))
+    client = started(made, Client(w.cfg.intake, shm_prefix))
+    rx = started(made, Receiver("rx0", w.cfg.bootstrap, buffer_bytes=16 << 20))
+    pairs = {}
+    for name in ("jpeg-rgb", "png-rgba", "webp-lossy"):
+        data, fmt = CORPUS[name]
+        pixels, grid = media.preprocess(data, fmt, replace(SETTINGS, backend="torchvision"))
+        it = image_item(data, fmt, min_pixels=SETTINGS.min_pixels, max_pixels=SETTINGS.max_pixels)
+        pairs[name] = (send(client, rx, Item("image", [list(grid)], pixels)), send(client, rx, it))
+    assert rx.wait({r: 1 for pair in pairs.values() for r in pair}, timeout=60), "some room never concluded"
+    for name, (as_pixels, compressed) in pairs.items():
+        assert as_pixels not in rx.failed and compressed not in rx.failed, (name, rx.failed)
+        want, got = rx.rows(as_pixels, 0), rx.rows(compressed, 0)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), name
+
+
 def test_a_data_url_and_its_format_are_checked_at_intake(mode, shm_prefix, tmp_path, made):
     w = started(made, start_worker(mode, sim_config(shm_prefix, tmp_path, **BOUNDS)))
     client = started(made, Client(w.cfg.intake, shm_prefix))
