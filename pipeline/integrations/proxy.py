@@ -52,8 +52,8 @@ class Preprocessor:
         hi = self.kwargs.get("max_pixels") or get("longest_edge") or get("max_pixels")
         return int(lo), int(hi)
 
-    def compressed_image(self, raw: bytes) -> Item:
-        """The image's bytes and its grid from the header: no decode here."""
+    def settings(self, raw: bytes):
+        """The file's format (from its header) and the processor's settings, as ipc.media takes them."""
         from PIL import Image
 
         from ipc import media
@@ -63,18 +63,24 @@ class Preprocessor:
         except Exception as e:
             raise BadRequest(f"an image does not decode: {e}") from None
         if fmt not in media.FORMATS:
-            raise BadRequest(f"compressed images are jpeg, png or webp, not {fmt or 'unknown'}")
+            raise BadRequest(f"images are jpeg, png or webp, not {fmt or 'unknown'}")
         lo, hi = self.bounds()
+        return fmt, media.ImageSettings(patch=self.image_processor.patch_size, merge=self.image_processor.merge_size,
+                                        min_pixels=lo, max_pixels=hi)
+
+    def compressed_image(self, raw: bytes) -> Item:
+        """The image's bytes and its grid from the header: no decode here."""
+        from ipc import media
+
+        fmt, s = self.settings(raw)
         try:
-            return image_item(raw, fmt, min_pixels=lo, max_pixels=hi, patch=self.image_processor.patch_size,
-                              merge=self.image_processor.merge_size)
+            return image_item(raw, fmt, min_pixels=s.min_pixels, max_pixels=s.max_pixels, patch=s.patch,
+                              merge=s.merge)
         except media.MediaError as e:
             raise BadRequest(f"an image is refused: {e}") from None
 
     def image(self, url: str) -> Item:
         """One image's pixels (or, compressed, its bytes) and patch grid."""
-        from PIL import Image
-
         if not isinstance(url, str) or not url.startswith("data:") or "," not in url:
             raise BadRequest("images must be data: URLs (data:image/png;base64,...)")
         try:
@@ -83,9 +89,13 @@ class Preprocessor:
             raise BadRequest(f"an image does not decode: {e}") from None
         if self.compressed:
             return self.compressed_image(raw)
+        from ipc import media
+
+        fmt, s = self.settings(raw)
         try:
-            image = Image.open(io.BytesIO(raw)).convert("RGB")
-        except Exception as e:
+            # As vLLM's loader decodes it: EXIF orientation applied, transparency on white.
+            image = media.decode_rgb(raw, fmt, s)
+        except media.MediaError as e:
             raise BadRequest(f"an image does not decode: {e}") from None
         out = self.image_processor(images=[image], return_tensors="np", **self.kwargs)
         grid = [int(v) for v in out["image_grid_thw"][0]]

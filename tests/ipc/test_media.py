@@ -172,7 +172,7 @@ def test_hostile_media_fail_with_a_reason(name):
         media.preprocess(data, fmt, s)
 
 
-@pytest.mark.parametrize("name", ["jpeg-rgb", "png-rgba", "webp-lossy"])
+@pytest.mark.parametrize("name", ["jpeg-rgb", "png-rgba", "webp-lossy", "jpeg-exif-rot90", "png-gray-alpha"])
 def test_the_proxy_sends_the_file_and_its_grid_and_the_worker_makes_its_pixels(name):
     """run.py proxy --send-compressed: no decode in the proxy, the grid from the header; the
     patches the worker makes from the file are the ones the proxy's processor made."""
@@ -192,11 +192,11 @@ def test_the_proxy_sends_the_file_and_its_grid_and_the_worker_makes_its_pixels(n
     want, grid = hf(data, s)  # what vLLM makes of the file
     got, _ = media.preprocess(data, fmt, s)
     assert [list(grid)] == item.grid_thw and np.array_equal(got, want)
-    if name != "png-rgba":
-        # The proxy's pixels are vLLM's too, but for transparency: it drops the alpha
-        # (convert("RGB")) where vLLM pastes the image on white.
-        pre.compressed = False
-        assert np.array_equal(pre.image(url).pixels, want)
+    # Sent as pixels, the proxy's are vLLM's too: EXIF orientation applied, transparency
+    # pasted on white (old code: convert("RGB") dropped both, and this failed for
+    # png-rgba and jpeg-exif-rot90).
+    pre.compressed = False
+    assert np.array_equal(pre.image(url).pixels, want)
     with pytest.raises(proxy.BadRequest, match="jpeg, png or webp"):
         pre.compressed = True
         pre.image("data:image/gif;base64," + base64.b64encode(save(Image.new("RGB", (30, 30)), "GIF")).decode())
