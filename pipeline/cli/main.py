@@ -256,6 +256,10 @@ def demo(cfg: WorkerConfig, mode: str) -> int:
         worker.close()
     print(file=sys.stderr)
 
+    return _summary(workload, results, violations, stats, elapsed)
+
+def _summary(workload: list, results: dict, violations: list, stats: dict, elapsed: float) -> int:
+    """Every room's result and the run's figures; the demo's exit code."""
     print(f"{'room':>5} {'items':>5} {'state':<8} {'ms':>8}  rows sha1 / reason")
     for n, items in enumerate(workload):
         room = 1 + n
