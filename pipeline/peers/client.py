@@ -70,9 +70,9 @@ class Client:
             curve.connect_as(self.sock, *keys)
         self.sock.connect(intake)
         self._names = itertools.count()
-        # room -> (its segments, when they are given up without a conclude: its deadline),
-        # until the room concludes: a worker that dies (or never reads the encode) leaves
-        # them to this client, their creator.
+        # room -> (its segments, its send time plus its deadline), until the room
+        # concludes: a worker that dies (or never reads the encode) leaves them to this
+        # client, their creator.
         self.segments: dict[int, tuple[list[str], float]] = {}
 
     def publish(self, pixels: np.ndarray) -> str:
@@ -130,7 +130,10 @@ class Client:
             raise
         if published:
             self._expire()
-            until = time.monotonic() + (deadline_ms / 1000 if deadline_ms is not None else SEGMENT_KEEP_S)
+            # Kept SEGMENT_KEEP_S past the deadline, read when it expires: a deadline counts
+            # from the worker's reading of the message, which may wait in its queue or
+            # behind a full pixel arena, so a short one would unlink what it is yet to read.
+            until = time.monotonic() + (deadline_ms or 0) / 1000
             names, _ = self.segments.get(room, ([], 0.0))
             self.segments[room] = (names + published, until)
         msg = {"v": wire.VERSION, "type": "encode", "request_id": request_id, "room": room,
@@ -163,7 +166,7 @@ class Client:
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for room in [r for r, (_, until) in self.segments.items() if until <= now]:
+        for room in [r for r, (_, until) in self.segments.items() if until + SEGMENT_KEEP_S <= now]:
             self.conclude(room)
 
     def close(self, abandon: bool = False) -> None:
@@ -177,8 +180,9 @@ class Client:
         self.sock.close()
 
 
-# A room sent without a deadline gives its untaken segments up after this long (the
-# worker's own max_deadline_s, by default: no later can it still read them).
+# A room's untaken segments are given up this long after it was sent, plus its deadline
+# (the worker's own max_deadline_s, by default): a worker that has not read them by then
+# is not serving it.
 SEGMENT_KEEP_S = 3600.0
 
 

@@ -1,15 +1,17 @@
 """Clients' pixel segments a worker never takes: unlinked by their client once the room
-concludes or its deadline passes (or at its exit), and by a worker that starts after
+concludes or its keep passes (or at its exit), and by a worker that starts after
 their creator died. Named for their creator (ipc/shm.py), so that anyone can tell."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 
 from ipc import shm
+from pipeline.peers import client as client_module
 from pipeline.peers.client import Client, Item
 from pipeline.testing.sim import image
 from tests.helpers import sim_config, start_worker
@@ -47,18 +49,25 @@ def test_a_worker_at_start_removes_the_segments_of_a_dead_creator(shm_prefix, tm
     assert not pixel_segments(shm_prefix)
 
 
-def test_a_client_unlinks_what_the_worker_never_took(shm_prefix, tmp_path):
+def test_a_client_unlinks_what_the_worker_never_took(shm_prefix, tmp_path, monkeypatch):
     """Encodes to a worker that does not read them: conclude(room) unlinks the room's
-    segments, a passed deadline unlinks them at the next encode, and close(abandon=True)
-    the rest."""
+    segments, a keep passed unlinks them at the next encode, and close(abandon=True)
+    the rest. A passed deadline does not: the worker counts it from its reading of the
+    message, which may still be queued."""
     c = Client(f"ipc://{tmp_path}/nobody.sock", shm_prefix)
     px = np.zeros((4, 1176), np.float32)
     c.message(1, "r1", [Item("image", [[1, 2, 2]], px), Item("image", [[1, 2, 2]], px + 1)])
-    c.message(2, "r2", [Item("image", [[1, 2, 2]], px)], deadline_ms=0)
+    sent = time.monotonic()
+    c.message(2, "r2", [Item("image", [[1, 2, 2]], px)], deadline_ms=1)
     assert len(pixel_segments(shm_prefix)) == 3
     c.conclude(1)
     assert len(pixel_segments(shm_prefix)) == 1
-    c.message(3, "r3", [Item("image", [[1, 2, 2]], px)])  # room 2's deadline has passed
-    assert len(pixel_segments(shm_prefix)) == 1 and 2 not in c.segments
+    while time.monotonic() < sent + 0.002:  # room 2's deadline passes
+        time.sleep(0.001)
+    c.message(3, "r3", [Item("image", [[1, 2, 2]], px)])
+    assert len(pixel_segments(shm_prefix)) == 2 and 2 in c.segments
+    monkeypatch.setattr(client_module, "SEGMENT_KEEP_S", 0.0)
+    c.message(4, "r4", [Item("image", [[1, 2, 2]], px)])  # rooms 2 and 3 kept as long as they may be
+    assert len(pixel_segments(shm_prefix)) == 1 and list(c.segments) == [4]
     c.close(abandon=True)
     assert not pixel_segments(shm_prefix)
