@@ -4,13 +4,14 @@ It owns the Mooncake engine and the bootstrap socket's messages, and never sends
 status itself: what a receiver should hear goes to the reaper as a record, so that one
 place decides what each receiver is told, exactly once. Custody: a room from its
 RoomOpened until it concludes here (fenced, or forgotten once it succeeded), and an
-item that overtook its room's RoomOpened until the room arrives or is fenced.
+item that overtook its room's RoomOpened until the room arrives or is fenced. Each room's
+life here, its phase and the transitions between, is one `RoomLife` (stages/room_life.py).
 """
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 
 from ipc.arena import Arena, StaleLease
 from ipc.held import HeldAllocs
@@ -27,7 +28,7 @@ from stages.records import (OWNER_SENDER, AllocSeen, Fence, Fenced, IntakeRestar
                             Queried, ReadyItem, Registered, RoomFailure, RoomOpened, RoomSucceeded,
                             ShardWritten, UnknownRoom)
 from stages.registrations import Registrations, StatusRule
-from stages.room_tx import ItemTx, RoomTx, Write
+from stages.room_life import LIVE, RoomLife, RoomLives, Write
 
 log = logging.getLogger("epd.sender")
 
@@ -64,21 +65,18 @@ class SenderStage(Stage):
         self.receivers = Registrations(registrations, self.engaged, idle_s=registration_idle_s,
                                        max_per_key=max_receivers_per_key, status_rule=status_rule)
         self.keys = RoomKeys(rooms, self.emit, bootstrap_timeout_s, max_held_allocs)  # whose rooms are whose
-        self.live: dict[int, RoomTx] = {}
-        # Allocs for rooms not opened here yet: (since, alloc, slot in the shared held table).
+        # Every room known here: opened, or with allocs held for it (in the shared held
+        # table too), or items that overtook its RoomOpened, or fenced before its RoomOpened
+        # came (the reaper fences before the room table says Failed) or after, so that a
+        # later alloc is answered, not held for it.
+        self.lives = RoomLives(MAX_FENCED_UNOPENED)
         self.held_table = held
-        self.held: dict[int, list[tuple[float, Alloc, int]]] = {}
         self.n_held = self.transfer_failures = self.bytes_written = 0
-        self.early: dict[int, list[ReadyItem]] = {}  # items that overtook their room's RoomOpened
-        # Rooms fenced before their RoomOpened came (the reaper fences before the room table
-        # says Failed), and after it, so that a later alloc is answered, not held for it.
-        self.fenced_unopened: OrderedDict[int, float] = OrderedDict()  # room -> when fenced
         self.dropped = Counter()
         self.transfer_seconds = Histogram()
         self.alloc_wait = Histogram()  # an item's embedding ready here to its allocs complete
         self.started_at = time.monotonic()
         self.intake_back_at = float("-inf")  # when an intake successor was last ready
-        self.writing: set[int] = set()  # rooms with writes in flight
         self._timeouts_at = 0.0
         self._logged: set[str] = set()
 
@@ -87,7 +85,7 @@ class SenderStage(Stage):
         (and the reaper) in shared memory."""
         self.receivers.load(time.monotonic())
         for slot, since, a in self.held_table.load():
-            self.held.setdefault(a.room, []).append((since, a, slot))
+            self.lives.life(a.room).hold((since, a, slot))
             self.engaged[a.receiver] += 1
         self.n_held = len(self.held_table)
 
@@ -113,12 +111,10 @@ class SenderStage(Stage):
 
     def tick(self, now: float) -> None:
         """Collect finished writes; time out what waited too long for its allocs."""
-        for room in list(self.writing):
-            tx = self.live.get(room)
-            if tx is not None and tx.writes:
-                self._poll_room(room, tx)
-            if tx is None or not tx.writes:
-                self.writing.discard(room)
+        for room in list(self.lives.writing):
+            life = self.lives.live_one(room)
+            if life is not None and life.writes:
+                self._poll_room(room, life)
         if now - self._timeouts_at >= 0.05:
             self._timeouts_at = now
             self._timeouts(now)
@@ -129,13 +125,13 @@ class SenderStage(Stage):
         # Writes complete in Mooncake's threads: poll them, yielding the core meanwhile.
         # An item that overtook its room's RoomOpened polls for it too: that record does
         # not wake us (stages/records.py, UNHURRIED).
-        return POLL_S if self.writing or self.early else None
+        return POLL_S if self.lives.writing or self.lives.waiting else None
 
     def stats(self) -> dict:
         return {"sender_dropped": dict(self.dropped), "sender_refused": dict(self.keys.refused),
                 "bytes_written": self.bytes_written,
-                "sender_live_rooms": len(self.live), "sender_held_allocs": self.n_held,
-                "sender_early_items": sum(len(v) for v in self.early.values()),
+                "sender_live_rooms": len(self.lives.live), "sender_held_allocs": self.n_held,
+                "sender_early_items": self.lives.n_early(),
                 "receivers_registered": len(self.receivers), "receivers_expired": self.receivers.expired,
                 "receivers_evicted": self.receivers.evicted,
                 "transfer_seconds": self.transfer_seconds.snapshot(), "transfer_failures": self.transfer_failures,
@@ -175,7 +171,9 @@ class SenderStage(Stage):
         if isinstance(m, Cancel):
             self._on_cancel(m)
         elif isinstance(m, Query):  # pending: its status is still to come, never "unknown room"
-            self.emit(registry.REAPER, Queried(m.room, m.receiver, m.room in self.held or m.room in self.live))
+            life = self.lives.get(m.room)
+            self.emit(registry.REAPER, Queried(m.room, m.receiver, life is not None and (
+                bool(life.held) or life.phase in LIVE)))
         else:
             reg = self.receivers[m.receiver]
             # An alloc that names its incarnation is bound to it: one of an older
@@ -194,15 +192,13 @@ class SenderStage(Stage):
         if verdict is False:
             self.keys.refuse(m, now, self.n_held)
         elif verdict is None and not isinstance(m, Alloc):
-            held = self.held.get(m.room, [])
-            mine = [h for h in held if h[1].receiver == m.receiver]
+            life = self.lives.life(m.room)
+            mine = [h for h in life.held if h[1].receiver == m.receiver]
             if isinstance(m, Query):  # answered without a look at the room, which may open meanwhile
                 if not (mine or self.keys.waits(m.room, m.receiver)):
                     self.emit(registry.REAPER, UnknownRoom(m.room, m.receiver, "unknown room", "query"))
             elif self.keys.forget(m.room, m.receiver) or mine:  # it gives up its own allocs, not the room
-                self.held[m.room] = [h for h in held if h not in mine]
-                if not self.held[m.room]:
-                    del self.held[m.room]
+                life.keep_held([h for h in life.held if h not in mine])
                 self._unheld(mine)
                 self.emit(registry.REAPER, UnknownRoom(m.room, m.receiver, "canceled", "cancel"))
             else:
@@ -235,21 +231,26 @@ class SenderStage(Stage):
                 self.emit(registry.REAPER, LateAlloc(room, a.receiver))
             self._release_early(room)
             return
-        tx = self.live[room] = RoomTx(opened.slot, tuple(opened.spans), [ItemTx() for _ in opened.spans])
+        life = self.lives.life(room)
+        if not life.open(opened.slot, opened.spans):  # open already: a room id is live once
+            self._impossible(room, life)
+            return
         # Taken off the list first: a bad one fails and fences the room, and the next ones
         # then meet no live room (they are answered, not held again onto the very list
         # being read, which went round until the held table was full). Out of the shared
         # table only once handled: a sender killed meanwhile leaves them to its successor.
-        held = self.held.pop(room, [])
+        held = life.take_held()
         for arrival, a, _ in self.keys.sort_held(room, held):
             self._on_alloc(a, arrival)
         self._unheld(held)
-        early = self.early.pop(room, [])
+        early = life.take_early()
         for r in early:
             self._adopt(r)
-        if room in self.live:  # not failed on the way
-            tx.in_custody = True
-            self.custody.hold(opened.slot, room)
+        if life.phase in LIVE:  # not concluded on the way
+            if life.opened():
+                self.custody.hold(opened.slot, room)
+            else:
+                self._impossible(room, life)
         for _ in early:  # now covered by the room, or released with it
             self.custody.release(opened.slot, room)
 
@@ -258,58 +259,58 @@ class SenderStage(Stage):
         try:
             self.arena.transfer(r.lease, registry.owner_of(source), OWNER_SENDER)
         except StaleLease:
-            tx = self.live.get(r.room)
-            if tx is not None:
-                self._fail(r.room, tx, f"embedding was lost before it could be sent ({source} died)",
+            life = self.lives.live_one(r.room)
+            if life is not None:
+                self._fail(r.room, life, f"embedding was lost before it could be sent ({source} died)",
                            ReasonCode.STAGE_DIED)
             return
-        tx = self.live.get(r.room)
-        if tx is None:
+        life = self.lives.live_one(r.room)
+        if life is None:
             # The room's RoomOpened comes on another ring and may still be on its way.
             entry = self.rooms.get(r.slot)
             if entry is not None and entry.room == r.room and entry.state < RoomState.SUCCESS:
-                self.early.setdefault(r.room, []).append(r)
-                self.custody.hold(r.slot, r.room)  # ours until its room arrives
+                if self.lives.life(r.room).keep_early(r):
+                    self.custody.hold(r.slot, r.room)  # ours until its room arrives
             else:
                 self._release(r)
             return
         self._adopt(r)
 
     def _adopt(self, r: ReadyItem) -> None:
-        tx = self.live.get(r.room)  # None: failed (and fenced) by a held alloc just now
-        if tx is None or tx.failing or r.item >= len(tx.items) or tx.items[r.item].ready:
+        life = self.lives.live_one(r.room)  # None: failed (and fenced) by a held alloc just now
+        if life is None or life.failing or r.item >= len(life.items) or life.items[r.item].ready:
             self._release(r)
             return
-        it = tx.items[r.item]
+        it = life.items[r.item]
         it.ready = r
         it.ready_at = time.monotonic()
-        self._maybe_start(r.room, tx, r.item)
+        self._maybe_start(r.room, life, r.item)
 
     # ------------------------------------------------------------ alloc rules
     def _on_alloc(self, a: Alloc, arrival: float) -> None:
-        tx = self.live.get(a.room)
-        if tx is None:
+        life = self.lives.live_one(a.room)
+        if life is None:
             self._hold_alloc(a, arrival)
             return
-        if a.receiver not in tx.receivers:
-            tx.receivers.add(a.receiver)
+        if a.receiver not in life.receivers:
+            life.receivers.add(a.receiver)
             self.engaged[a.receiver] += 1
             self.emit(registry.REAPER, AllocSeen(a.room, a.receiver))
-        if tx.failing:
+        if life.failing:
             return
-        it = tx.items[a.item] if a.item < len(tx.items) else None
-        problem = alloc_problem(a, tx.spans, it.allocs if it else (), self.shape)
+        it = life.items[a.item] if a.item < len(life.items) else None
+        problem = alloc_problem(a, life.spans, it.allocs if it else (), self.shape)
         if problem:
-            self._fail(a.room, tx, problem, ReasonCode.BAD_ALLOC)
+            self._fail(a.room, life, problem, ReasonCode.BAD_ALLOC)
             return
         it.allocs.append(a)
         it.fanout = a.fanout
         if len(it.allocs) == it.fanout:
-            problem = tiling_problem(a.item, tx.spans[a.item], it.allocs)
+            problem = tiling_problem(a.item, life.spans[a.item], it.allocs)
             if problem:
-                self._fail(a.room, tx, problem, ReasonCode.BAD_ALLOC)
+                self._fail(a.room, life, problem, ReasonCode.BAD_ALLOC)
                 return
-            self._maybe_start(a.room, tx, a.item)
+            self._maybe_start(a.room, life, a.item)
 
     def _hold_alloc(self, a: Alloc, arrival: float) -> None:
         """An alloc for a room not open here: answered if the room concluded, else held
@@ -330,48 +331,48 @@ class SenderStage(Stage):
                       f"alloc for a room this worker has not seen, and it already holds "
                       f"{self.max_held_allocs} such allocs (max_held_allocs)"))
             return
-        self.held.setdefault(a.room, []).append((arrival, a, slot))
+        self.lives.life(a.room).hold((arrival, a, slot))
         self.n_held += 1
         self.engaged[a.receiver] += 1
 
     # ------------------------------------------------------------ writes
-    def _maybe_start(self, room: int, tx: RoomTx, item: int) -> None:
-        it = tx.items[item]
+    def _maybe_start(self, room: int, life: RoomLife, item: int) -> None:
+        it = life.items[item]
         if it.started or it.ready is None or not it.fanout or len(it.allocs) < it.fanout:
             return
         it.started = True
         self.alloc_wait.observe(max(0.0, time.monotonic() - it.ready_at))  # ~0 when the allocs came first
         if not self.arena.valid(it.ready.lease):
-            self._fail(room, tx, "embedding was reclaimed before it could be sent", ReasonCode.STAGE_DIED)
+            self._fail(room, life, "embedding was reclaimed before it could be sent", ReasonCode.STAGE_DIED)
             return
         # no owner: the table's holders field is the custody bit mask, which a number would overwrite
-        self.rooms.advance(tx.slot, room, RoomState.TRANSFERRING)
+        self.rooms.advance(life.slot, room, RoomState.TRANSFERRING)
         for a in it.allocs:
             if a.session_hash != self.receivers[a.receiver].session_hash:
                 # The receiver registered again since (a restarted process), or the alloc came
                 # from an older incarnation: the addresses it named are not the registered one's.
-                self._fail(room, tx, f"receiver {a.receiver} registered again with another session or "
+                self._fail(room, life, f"receiver {a.receiver} registered again with another session or "
                                      f"incarnation than its alloc for item {item}: the buffers it named are gone",
                            ReasonCode.BAD_ALLOC)
                 return
         rows = self.arena.view(it.ready.lease)
         for a in it.allocs:
-            if not self._write_shard(room, tx, item, a, rows):
+            if not self._write_shard(room, life, item, a, rows):
                 return
         if not it.writes_left:
-            self._item_done(room, tx, item)
+            self._item_done(room, life, item)
 
-    def _write_shard(self, room: int, tx: RoomTx, item: int, a: Alloc, rows: memoryview) -> bool:
+    def _write_shard(self, room: int, life: RoomLife, item: int, a: Alloc, rows: memoryview) -> bool:
         """Start the write of one alloc's rows (`rows`: the item's lease); False if the room failed."""
         main_row = self.shape.hidden * self.itemsize
         ds_row = self.shape.deepstack_width * self.itemsize
         main = (a.row_start * main_row, a.n_rows * main_row)  # (offset in the lease, length)
-        deep = (tx.spans[item] * main_row + a.row_start * ds_row, a.n_rows * ds_row)
+        deep = (life.spans[item] * main_row + a.row_start * ds_row, a.n_rows * ds_row)
         digest = wire.rows_digest([rows[off:off + n] for off, n in (main, deep)])
         if not a.n_rows:
             self.emit(registry.REAPER, ShardWritten(room, item, a.receiver, digest))
             return True
-        base = self.arena.address + tx.items[item].ready.lease.offset
+        base = self.arena.address + life.items[item].ready.lease.offset
         halves = [main, deep] if ds_row else [main]
         dsts = [a.dst, a.dst_deepstack][:len(halves)]
         try:
@@ -379,73 +380,74 @@ class SenderStage(Stage):
                                          dsts, [n for _, n in halves])
         except Exception as e:  # the transport names the cause
             self.transfer_failures += 1
-            self._fail(room, tx, f"transfer to receiver {a.receiver} could not start: {e}", ReasonCode.TRANSFER_ERROR)
+            self._fail(room, life, f"transfer to receiver {a.receiver} could not start: {e}", ReasonCode.TRANSFER_ERROR)
             return False
-        tx.writes.append(Write(item, a.receiver, pending, time.monotonic(), digest))
-        self.writing.add(room)
-        tx.items[item].writes_left += 1
+        life.wrote(Write(item, a.receiver, pending, time.monotonic(), digest))
+        life.items[item].writes_left += 1
         self.bytes_written += sum(n for _, n in halves)
         return True
 
     def _fenced_unopened(self, room: int, entry, pop: bool) -> bool:
         """Was `room` fenced before it opened here? (A room id may come back after its
         tombstone expired: a fence older than the room is not the new room's.)"""
-        fenced_at = self.fenced_unopened.pop(room, None) if pop else self.fenced_unopened.get(room)
+        life = self.lives.get(room)
+        fenced_at = life and (life.forget_fence() if pop else life.fenced_at)
         return fenced_at is not None and entry is not None and entry.created <= fenced_at
 
-    def _item_done(self, room: int, tx: RoomTx, item: int) -> None:
-        it = tx.items[item]
+    def _item_done(self, room: int, life: RoomLife, item: int) -> None:
+        it = life.items[item]
         self._release(it.ready)
         it.ready = None
-        tx.done += 1
-        self.emit(registry.REAPER, ItemDone(tx.slot, room, item, tx.done))
+        life.done += 1
+        self.emit(registry.REAPER, ItemDone(life.slot, room, item, life.done))
 
-    def _poll_room(self, room: int, tx: RoomTx) -> None:
+    def _poll_room(self, room: int, life: RoomLife) -> None:
         still = []
-        for w in tx.writes:
+        for w in life.writes:
             ok = w.pending.poll()
             if ok is None:
                 still.append(w)
                 continue
-            it = tx.items[w.item]
+            it = life.items[w.item]
             it.writes_left -= 1
             self.transfer_seconds.observe(time.monotonic() - w.started)
             if not ok:
                 self.transfer_failures += 1
-            if ok and not tx.failing:
+            if ok and not life.failing:
                 self.emit(registry.REAPER, ShardWritten(room, w.item, w.receiver, w.digest))
             elif not ok:
                 reason = getattr(w.pending, "error", "") or "write failed"
-                self._fail(room, tx, f"transfer to receiver {w.receiver} failed: {reason}", ReasonCode.TRANSFER_ERROR)
-            if not it.writes_left and not tx.failing:
-                self._item_done(room, tx, w.item)
+                self._fail(room, life, f"transfer to receiver {w.receiver} failed: {reason}", ReasonCode.TRANSFER_ERROR)
+            if not it.writes_left and not life.failing:
+                self._item_done(room, life, w.item)
             elif not it.writes_left and it.ready is not None:  # fenced while written: no longer read
                 self._release(it.ready)
                 it.ready = None
-        tx.writes = still
-        if tx.failing and not tx.writes:
-            self._conclude_fence(room, tx)
+        life.polled(still)
+        if life.failing and not life.writes:
+            self._conclude_fence(room, life)
 
     def _timeouts(self, now: float) -> None:
         # An item that came early for a room the table says is over (fenced before the item
         # came, and its RoomOpened lost with a dead intake) waits for nothing any more.
-        for room, early in list(self.early.items()):
-            entry = self.rooms.get(early[0].slot)
+        for room in list(self.lives.waiting):
+            entry = self.rooms.get(self.lives.get(room).early[0].slot)
             if entry is None or entry.room != room or entry.state >= RoomState.SUCCESS:
                 self._release_early(room)
         limit = now - self.bootstrap_timeout_s
-        for room, tx in list(self.live.items()):
-            if tx.failing:
+        for room in list(self.lives.live):
+            life = self.lives.get(room)
+            if life.failing:
                 continue
-            for i, it in enumerate(tx.items):
+            for i, it in enumerate(life.items):
                 if it.ready is None or it.started:
                     continue
-                entry = self.rooms.get(tx.slot)
+                entry = self.rooms.get(life.slot)
                 before_me = entry is not None and entry.created < self.started_at
                 if before_me and max(it.ready_at, self.started_at) < now - ALLOCS_LOST_AFTER_S:
                     # An alloc sent while no sender listened may be gone with the dead one's
                     # connection, and a receiver need not ask: the room fails within a bound.
-                    self._fail(room, tx, f"allocs for item {i} incomplete {ALLOCS_LOST_AFTER_S:g} s after "
+                    self._fail(room, life, f"allocs for item {i} incomplete {ALLOCS_LOST_AFTER_S:g} s after "
                                f"the sender stage was restarted: any sent while it was down may be lost",
                                ReasonCode.BOOTSTRAP_TIMEOUT)
                     break
@@ -455,10 +457,11 @@ class SenderStage(Stage):
                     if before_me:
                         reason += ("; the sender stage was restarted after the room arrived, "
                                    "and allocs its predecessor had received were lost with it")
-                    self._fail(room, tx, reason, ReasonCode.BOOTSTRAP_TIMEOUT)
+                    self._fail(room, life, reason, ReasonCode.BOOTSTRAP_TIMEOUT)
                     break
-        for room, held in list(self.held.items()):
-            keep = []
+        for room in list(self.lives.holding):
+            life = self.lives.get(room)
+            held, keep = life.held, []
             for t, a, slot in held:
                 # A request sent before an intake's restart may have died in its socket: an
                 # alloc held since then is answered within a bound, not bootstrap_timeout_s.
@@ -472,96 +475,98 @@ class SenderStage(Stage):
                 self.held_table.remove(slot)
                 self._disengage(a.receiver)
             self.n_held -= len(held) - len(keep)
-            if keep:
-                self.held[room] = keep
-            else:
-                del self.held[room]
+            life.keep_held(keep)
 
     # ------------------------------------------------------------ failing
-    def _fail(self, room: int, tx: RoomTx, reason: str, code: ReasonCode) -> None:
-        if not tx.failing:
-            self.emit(registry.REAPER, RoomFailure(tx.slot, room, reason, code))
+    def _fail(self, room: int, life: RoomLife, reason: str, code: ReasonCode) -> None:
+        if life.phase in LIVE and not life.failing:
+            self.emit(registry.REAPER, RoomFailure(life.slot, room, reason, code))
             self._fence(room)
 
     def _fence(self, room: int) -> None:
         """Stop the room: no new write starts; once none is in flight, report `fenced`."""
-        tx = self.live.get(room)
-        if tx is None:
-            self._remember_fenced(room)
+        life = self.lives.live_one(room)
+        if life is None:
+            self.lives.life(room).fence_unopened(time.monotonic())
             receivers = sorted({a.receiver for a in self._unhold(room)})
             self._release_early(room)
             self.emit(registry.REAPER, Fenced(room, tuple(receivers)))
             return
-        if not tx.failing:
-            tx.failing = True
-            for it in tx.items:
+        if not life.failing:
+            life.fail()
+            for it in life.items:
                 # An item whose writes are in flight keeps its lease until they end
                 # (_poll_room): Mooncake still reads its rows, which must not be leased
                 # and rewritten for another room meanwhile.
                 if it.ready is not None and not it.writes_left:
                     self._release(it.ready)
                     it.ready = None
-        if not tx.writes:
-            self._conclude_fence(room, tx)
+        if not life.writes:
+            self._conclude_fence(room, life)
 
     def _release_early(self, room: int) -> None:
-        early = self.early.pop(room, [])
+        life = self.lives.get(room)
+        early = life.take_early() if life is not None else []
         for r in early:
             self._release(r)
         for _ in early:  # held where the first was: a later one's slot may be another room's since
             self.custody.release(early[0].slot, room)
 
-    def _remember_fenced(self, room: int) -> None:
-        self.fenced_unopened[room] = time.monotonic()
-        if len(self.fenced_unopened) > MAX_FENCED_UNOPENED:
-            self.fenced_unopened.popitem(last=False)
-
-    def _conclude_fence(self, room: int, tx: RoomTx) -> None:
-        self.emit(registry.REAPER, Fenced(room, tuple(sorted(tx.receivers))))
-        del self.live[room]
-        for receiver in tx.receivers:
+    def _conclude_fence(self, room: int, life: RoomLife) -> None:
+        self.emit(registry.REAPER, Fenced(room, tuple(sorted(life.receivers))))
+        for receiver in life.receivers:
             self._disengage(receiver)
         slot = self.custody.slot_of(room)  # where its bit was set (None: no custody kept here)
-        if tx.in_custody and slot is not None:  # else its RoomOpened's handling releases it
+        if life.in_custody and slot is not None:  # else its RoomOpened's handling releases it
             self.custody.release(slot, room)
         # An alloc that comes later is answered (LateAlloc), not held for a RoomOpened
         # that came already: the room is in the table, live until the reaper marks it.
-        self._remember_fenced(room)
+        life.conclude(time.monotonic())
 
     def _forget(self, room: int) -> None:
         """The room concluded Success: drop what is left of it."""
-        tx = self.live.pop(room, None)
-        if tx is not None:
-            for receiver in tx.receivers:
+        life = self.lives.live_one(room)
+        if life is not None:
+            if not life.succeed():
+                self._impossible(room, life)
+                return
+            for receiver in life.receivers:
                 self._disengage(receiver)
-            for it in tx.items:
+            for it in life.items:
                 if it.ready is not None:
                     self._release(it.ready)
-            self.custody.release(tx.slot, room)
+            self.custody.release(life.slot, room)
 
     def _on_cancel(self, c: Cancel) -> None:
-        tx = self.live.get(c.room)
-        if tx is not None:
-            self._fail(c.room, tx, "canceled", ReasonCode.CANCELED)
-        elif c.room in self.held:
+        life = self.lives.live_one(c.room)
+        if life is not None:
+            self._fail(c.room, life, "canceled", ReasonCode.CANCELED)
+        elif self.lives.get(c.room) is not None and self.lives.get(c.room).held:
             self.emit(registry.REAPER, RoomFailure(None, c.room, "canceled", ReasonCode.CANCELED))
         else:
             self._drop("cancel of a room this worker does not hold")
 
     def _unhold(self, room: int) -> list[Alloc]:
         """The allocs held for `room` whose keys it allows (the others wait as refused), no longer held."""
-        held = self.held.pop(room, [])
+        life = self.lives.get(room)
+        held = life.take_held() if life is not None else []
         allowed = self.keys.sort_held(room, held)
         self._unheld(held)
         return [a for _, a, _ in allowed]
 
     def _unheld(self, held: list) -> list[Alloc]:
-        """`held` (taken off self.held) out of the shared table too; their allocs."""
+        """`held` (taken off a room's life) out of the shared table too; their allocs."""
         for _, a, slot in held:
             self.held_table.remove(slot)
             self._disengage(a.receiver)
         self.n_held -= len(held)
         return [a for _, a, _ in held]
+
+    def _impossible(self, room: int, life: RoomLife) -> None:
+        """A transition its phase does not allow was asked of `life`: a bug, which it logged.
+        The room fails saying so (once: a failing one concludes as it would), rather than
+        the stage's loop raising."""
+        self._fail(room, life, life.fault, ReasonCode.OTHER)
 
     def _release(self, r: ReadyItem) -> None:
         try:

@@ -110,7 +110,7 @@ def test_a_room_fenced_before_its_room_opened_is_not_opened_when_it_comes(sender
     assert out == [Fenced(ROOM, ())]
     s.handle(INTAKE, RoomOpened(slot, ROOM, "req", [4], 0.0))
     assert rooms.get(slot).live, "the table alone would have let it open"
-    assert ROOM not in s.live
+    assert s.lives.live_one(ROOM) is None
 
 
 def test_a_room_id_used_again_after_an_old_fence_opens(sender):
@@ -121,7 +121,7 @@ def test_a_room_id_used_again_after_an_old_fence_opens(sender):
     time.sleep(0.01)
     slot = rooms.insert(ROOM, "req-again", 1, OWNER_INTAKE)
     s.handle(INTAKE, RoomOpened(slot, ROOM, "req-again", [4], 0.0))
-    assert ROOM in s.live
+    assert s.lives.live_one(ROOM) is not None
 
 
 def test_an_alloc_for_a_room_fenced_before_it_opened_is_answered_at_once(sender):
@@ -134,7 +134,7 @@ def test_an_alloc_for_a_room_fenced_before_it_opened_is_answered_at_once(sender)
     out.clear()
     _alloc(s, "rx")
     assert out == [LateAlloc(ROOM, "rx")]
-    assert not s.held
+    assert not s.lives.holding
 
 
 def test_allocs_held_for_an_unseen_room_outlive_the_sender(tables):
@@ -146,9 +146,10 @@ def test_allocs_held_for_an_unseen_room_outlive_the_sender(tables):
     out.clear()
     _alloc(s, "rx")
     assert s.n_held == 1 and not out
-    [(since, alloc, slot)] = s.held[ROOM]
+    [(since, alloc, slot)] = s.lives.get(ROOM).held
     successor, heard = make_sender(tables)
-    assert successor.held == {ROOM: [(since, alloc, slot)]} and successor.n_held == 1
+    assert list(successor.lives.holding) == [ROOM] and successor.n_held == 1
+    assert successor.lives.get(ROOM).held == [(since, alloc, slot)]
     successor.tick(since + 61.0)
     assert heard == [UnknownRoom(ROOM, "rx", "unknown room")]
     assert successor.n_held == 0 and len(successor.held_table) == 0
@@ -167,13 +168,13 @@ def test_a_bad_held_alloc_fails_its_room_once_and_the_rest_are_answered(sender):
     _alloc(s, "rx-b", item=1, span=4)
     assert s.n_held == 2
     s.handle(INTAKE, RoomOpened(slot, ROOM, "req", [4, 4], 0.0))
-    assert s.n_held == 0 and len(s.held_table) == 0 and not s.held
+    assert s.n_held == 0 and len(s.held_table) == 0 and not s.lives.holding
     kinds = [type(e).__name__ for e in out]
     assert kinds == ["AllocSeen", "RoomFailure", "Fenced", "LateAlloc"], out
     assert out[-1] == LateAlloc(ROOM, "rx-b")
     out.clear()
     _alloc(s, "rx-c", item=1, span=4)  # later still: answered too
-    assert out == [LateAlloc(ROOM, "rx-c")] and not s.held
+    assert out == [LateAlloc(ROOM, "rx-c")] and not s.lives.holding
 
 
 class _Engine:
@@ -234,7 +235,7 @@ def test_an_item_that_overtook_its_room_is_held_until_the_room_holds_it(tables):
     assert custody.holds(ROOM)
     custody.calls.clear()
     s.handle(REAPER, RoomSucceeded(ROOM))
-    assert custody.calls == [("release", slot, ROOM)] and ROOM not in s.live
+    assert custody.calls == [("release", slot, ROOM)] and s.lives.live_one(ROOM) is None
     assert not custody.holds(ROOM)
 
 
@@ -258,7 +259,7 @@ def test_a_room_fenced_is_released_with_its_fence(tables):
     assert custody.holds(other)
     custody.calls.clear()
     s.handle(REAPER, Fence(other))
-    assert custody.calls == [("release", slot2, other)] * 2 and not s.early
+    assert custody.calls == [("release", slot2, other)] * 2 and not s.lives.waiting
     assert not custody.holds(other)
 
 
