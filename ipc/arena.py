@@ -112,6 +112,10 @@ class Arena(SharedTable):
     KIND = "arena"
     GEOMETRY = ("size", "block_size", "max_leases", "max_owners")
     MAX_LEASES = 2**24  # lease slots an arena can have
+    size: int  # the geometry (SharedTable.__init__ sets it from the header)
+    block_size: int
+    max_leases: int
+    max_owners: int
 
     # -- construction ------------------------------------------------------
 
@@ -133,8 +137,9 @@ class Arena(SharedTable):
         return shm.object_name(prefix, run_id, what + ".meta")
 
     @classmethod
-    def create(cls, prefix: str, run_id: str, what: str, size: int, *, block_size: int = 4096,
-               max_leases: int = 4096, max_owners: int = 16, slices: int = 1, touch=None) -> "Arena":
+    def create(  # type: ignore[override]  # a signature of its own (shared_table.py)
+            cls, prefix: str, run_id: str, what: str, size: int, *, block_size: int = 4096,
+            max_leases: int = 4096, max_owners: int = 16, slices: int = 1, touch=None) -> "Arena":
         """`size` rounded up to whole blocks. `slices`, `touch`: the data's pages allocated in
         parts, each in a context of its own (shm.Segment.create: a NUMA first touch per part)."""
         size, block_size = _index(size), _index(block_size)
@@ -157,7 +162,7 @@ class Arena(SharedTable):
             raise
 
     @classmethod
-    def attach(cls, prefix: str, run_id: str, what: str) -> "Arena":
+    def attach(cls, prefix: str, run_id: str, what: str) -> "Arena":  # type: ignore[override]  # a signature of its own (shared_table.py)
         meta = cls.attach_segment(prefix, run_id, what)
         try:
             data = shm.Segment.attach(shm.object_name(prefix, run_id, what))
@@ -175,32 +180,32 @@ class Arena(SharedTable):
         super().__init__(meta)
         self._data, self._meta = data, meta
         self.nblocks = self.size // self.block_size
-        L, W, nb = self.max_leases, self.max_owners, self.nblocks
+        L, owners, nb = self.max_leases, self.max_owners, self.nblocks
         if data.size < self.size:
             raise shm.ShmError(f"arena data {data.name!r} is smaller than its table {meta.name!r} says")
-        lay = self._lay = _layout(nb, L, W)
-        mv, mm = meta.buf, meta.buf.obj
+        lay = self._lay = _layout(nb, L, owners)
+        mv, mm = meta.buf, meta.mapped
         # memoryview casts for scalar access (fast, plain ints), numpy for scans.
         self._h = mv[lay["header"]:lay["header"] + 8 * _H_WORDS].cast("q")
         self._jq = mv[lay["jint"]:lay["jint"] + 8 * _J_WORDS].cast("q")
-        self._jr = mv[lay["jrefs"]:lay["jrefs"] + 4 * W].cast("I")
+        self._jr = mv[lay["jrefs"]:lay["jrefs"] + 4 * owners].cast("I")
         self._st = mv[lay["state"]:lay["state"] + L]
         self._gen = mv[lay["gen"]:lay["gen"] + 4 * L].cast("I")
         self._start = mv[lay["start"]:lay["start"] + 8 * L].cast("q")
         self._nblk = mv[lay["nblk"]:lay["nblk"] + 8 * L].cast("q")
         self._len = mv[lay["length"]:lay["length"] + 8 * L].cast("q")
-        self._refs = mv[lay["refs"]:lay["refs"] + 4 * L * W].cast("I")
+        self._refs = mv[lay["refs"]:lay["refs"] + 4 * L * owners].cast("I")
         self._map = mv[lay["map"]:lay["map"] + nb]
         self._mm = mm
         self._n_state = np.frombuffer(mm, np.uint8, L, lay["state"])
         self._n_start = np.frombuffer(mm, np.int64, L, lay["start"])
         self._n_nblk = np.frombuffer(mm, np.int64, L, lay["nblk"])
-        self._n_refs = np.frombuffer(mm, np.uint32, L * W, lay["refs"]).reshape(L, W)
+        self._n_refs = np.frombuffer(mm, np.uint32, L * owners, lay["refs"]).reshape(L, owners)
         self._n_map = np.frombuffer(mm, np.uint8, nb, lay["map"])
         self._zeros = memoryview(bytes(nb))
         self._ones = memoryview(b"\x01" * nb)
-        self._zrow = memoryview(bytes(4 * W)).cast("I")
-        a = np.frombuffer(data.buf.obj, np.uint8, 1, 0)
+        self._zrow = memoryview(bytes(4 * owners)).cast("I")
+        a = np.frombuffer(data.mapped, np.uint8, 1, 0)
         self.address = int(a.ctypes.data)
         del a
         self._lock = SegmentLock(meta, on_acquire=self._recover_if_dirty)

@@ -79,6 +79,7 @@ class HeldAllocs(SlotTable):
 
     def remove(self, slot: int) -> None:
         self.generations[slot] = 0
+        assert self._free is not None  # the slot came from put() or load(), which made it
         self._free.append(slot)
 
     def __len__(self) -> int:

@@ -27,6 +27,7 @@ import argparse
 import multiprocessing as mp
 import sys
 import time
+from typing import Any
 
 from ipc import shm
 from ipc.ordering import check_cpu
@@ -188,7 +189,7 @@ def run(seconds: float, prefix: str = PREFIX) -> dict:
         for p in procs:
             p.start()
         wait = seconds + 2 * STALL_S + 30
-        out = {"architecture": arch, "seconds": seconds, "failed": None, "records": 0, "laps": 0,
+        out: dict[str, Any] = {"architecture": arch, "seconds": seconds, "failed": None, "records": 0, "laps": 0,
                "first": [], **dict.fromkeys(KINDS, 0)}
         for who, conn, proc in (("producer", p_in, procs[1]), ("consumer", c_in, procs[0])):
             msg = _report(conn, proc, who, wait)

@@ -82,7 +82,8 @@ class ReceiverTable(SlotTable):
     CAPACITY = (2, 2**16)
 
     @classmethod
-    def create(cls, prefix: str, run_id: str, what: str, capacity: int = MAX_RECEIVERS + 1) -> "ReceiverTable":
+    def create(  # type: ignore[override]  # a default capacity (shared_table.py)
+            cls, prefix: str, run_id: str, what: str, capacity: int = MAX_RECEIVERS + 1) -> "ReceiverTable":
         return super().create(prefix, run_id, what, capacity)
 
     @classmethod
@@ -102,7 +103,7 @@ class ReceiverTable(SlotTable):
         """Every registration: receiver -> (session, status endpoint, key). A writer calls it
         first: it frees what a predecessor killed mid-replacement left twice, and rows
         whose checksum does not agree."""
-        newest: dict[str, tuple[int, int, tuple[str, str]]] = {}
+        newest: dict[str, tuple[int, int, tuple[str, str, str]]] = {}
         stale = []
         for slot in np.flatnonzero(self.generations.copy()).tolist():  # a copy: the writer may change it meanwhile
             got = self._read(slot)
@@ -123,7 +124,7 @@ class ReceiverTable(SlotTable):
         self._next_gen = self.next_generation()
         return {r: reg for r, (_, _, reg) in newest.items()}
 
-    def _read(self, slot: int):
+    def _read(self, slot: int) -> tuple[int, str, tuple[str, str, str]] | None:
         """(generation, receiver, (session, status, key)) of a published slot; None if free."""
         off = self.slots_at + slot * _SLOT
         for _ in range(_READ_SPINS):
@@ -150,6 +151,7 @@ class ReceiverTable(SlotTable):
         """Record (or replace) a registration; TableFull when no slot is free. Writer only."""
         if self._slot_of is None:
             self.load()
+        assert self._slot_of is not None  # load() made it
         if incarnation is not None:  # (protocol 1.1) kept in the session's field, after a NUL
             session = f"{session}{_INCARNATION}{incarnation}"
         new = registration_row(self._next_gen, receiver, session, status, key)
@@ -178,6 +180,7 @@ class ReceiverTable(SlotTable):
         Writer only. One aligned store: a reader sees the registration whole, or not at all."""
         if self._slot_of is None:
             self.load()
+        assert self._slot_of is not None  # load() made it
         slot = self._slot_of.pop(receiver, None)
         if slot is None:
             return False

@@ -120,7 +120,7 @@ class Ring:
     def __init__(self, seg: shm.Segment, data_sem, space_sem, names, shared_doorbell: bool = False):
         self.name, self.data_sem_name, self.space_sem_name = names
         self.shared_doorbell = shared_doorbell
-        self._seg = seg
+        self._seg: shm.Segment | None = seg  # None once closed
         self._data_sem = data_sem
         self._space_sem = space_sem
         q = seg.buf[:DATA_OFFSET].cast("Q")

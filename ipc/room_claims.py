@@ -15,6 +15,8 @@ owner's death would fail the new room too).
 from __future__ import annotations
 
 import functools
+import mmap
+from typing import cast
 
 import numpy as np
 
@@ -42,9 +44,10 @@ class RoomClaims:
         n = MAX_OWNERS * capacity
         self._roomv = buf[rooms_at:rooms_at + 8 * n].cast("Q")
         self._onv = buf[on_at:on_at + n]
-        self._mm, self._on_at = buf.obj, on_at
-        self._rooms = np.frombuffer(buf.obj, np.uint64, n, rooms_at).reshape(capacity, MAX_OWNERS)
-        self._on = np.frombuffer(buf.obj, np.uint8, n, on_at).reshape(capacity, MAX_OWNERS)
+        mm = cast(mmap.mmap, buf.obj)  # a table's buf views its segment's whole mapping
+        self._mm, self._on_at = mm, on_at
+        self._rooms = np.frombuffer(mm, np.uint64, n, rooms_at).reshape(capacity, MAX_OWNERS)
+        self._on = np.frombuffer(mm, np.uint8, n, on_at).reshape(capacity, MAX_OWNERS)
 
     def holders(self, slot: int, room: int) -> int:
         """The custody bits of the owners whose claim on ``slot`` is for ``room``."""
@@ -102,4 +105,4 @@ class RoomClaims:
     def close(self) -> None:
         self._roomv.release()
         self._onv.release()
-        self._rooms = self._on = self._mm = None
+        self._rooms = self._on = self._mm = None  # type: ignore[assignment]  # a use after close fails

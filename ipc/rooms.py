@@ -43,7 +43,9 @@ from __future__ import annotations
 import struct
 import time
 import zlib
+from collections.abc import Sequence
 from operator import index as _index
+from typing import Any
 
 import numpy as np
 
@@ -118,6 +120,7 @@ class RoomTable(SharedTable):
 
     MAGIC = 0x6D6F_6F72_0000_0005  # "room", layout 5
     KIND = "room table"
+    capacity: int  # the geometry (SharedTable.__init__ sets it from the header)
 
     @classmethod
     def segment_size(cls, capacity: int) -> int:
@@ -142,7 +145,7 @@ class RoomTable(SharedTable):
         cap = self.capacity
         lay = _layout(cap)
         mv = self._mv = seg.buf
-        mm = seg.buf.obj
+        mm = seg.mapped
         self._hdr = mv[:lay["seq"]].cast("Q")
         self._seqv = mv[lay["seq"]:lay["seq"] + 4 * cap].cast("I")
         self._roomv = mv[lay["room"]:lay["room"] + 16 * cap].cast("Q")
@@ -224,15 +227,16 @@ class RoomTable(SharedTable):
         off = self._rec0 + (2 * slot + ((seq & 1) ^ 1)) * _REC
         raw = self._mv[off:off + _REC].tobytes()
         other = self._verify(raw, _BODY.unpack_from(raw, 4)[0])
+        fields: tuple[Any, ...]
         if other is None:
             fields = _FREE_FIELDS
         else:
-            fields = list(other)
-            if 0 < fields[_STATE] < RoomState.SUCCESS:
+            salvaged = list(other)
+            if 0 < salvaged[_STATE] < RoomState.SUCCESS:
                 reason = _cut("room table entry was damaged; concluded by repair", REASON_BYTES)
-                fields[_STATE], fields[_CONCLUDED] = int(RoomState.FAILED), time.monotonic()
-                fields[_REASON], fields[_REASONLEN] = reason, len(reason)
-            fields = tuple(fields)
+                salvaged[_STATE], salvaged[_CONCLUDED] = int(RoomState.FAILED), time.monotonic()
+                salvaged[_REASON], salvaged[_REASONLEN] = reason, len(reason)
+            fields = tuple(salvaged)
         self._store(slot, seq, fields)
         self._hdr[_H_REPAIRS] += 1
         return (seq + 1) & _U32_MAX, fields
@@ -319,7 +323,7 @@ class RoomTable(SharedTable):
         room = _index(room)
         if not _U64[0] <= room <= _U64[1]:
             return None
-        slots = self._room_index.lookup(room)
+        slots: Sequence[int] | None = self._room_index.lookup(room)
         if slots is None:  # a writer is changing the index (or died doing it): scan
             slots = self._room_candidates(room)
         for slot in slots:
@@ -370,11 +374,11 @@ class RoomTable(SharedTable):
             raise ValueError("a room cannot be inserted FREE")
         if len(keys) > ROOM_KEYS:
             raise ValueError(f"a room belongs to at most {ROOM_KEYS} keys, not {len(keys)}")
-        keys = [_check_range("key tag", k, *_U64) for k in keys] + [0] * (ROOM_KEYS - len(keys))
+        tags = [_check_range("key tag", k, *_U64) for k in keys] + [0] * (ROOM_KEYS - len(keys))
         rid = _cut(str(request_id), REQUEST_ID_BYTES)
         now = time.monotonic()
         fields = [room, int(state), len(rid), 0, items_total, 0, float(deadline), now,
-                  now if state in _FINAL else 0.0, rid, b"", *keys]
+                  now if state in _FINAL else 0.0, rid, b"", *tags]
         with self._lock:
             self._clean_index()
             dup = self._find_locked(room)
@@ -521,7 +525,7 @@ class RoomTable(SharedTable):
         return self._count_item(slot, room, done_so_far, True)
 
     def _count_item(self, slot: int, room: int, done_so_far: int | None, conclude: bool) -> tuple[int, bool]:
-        out = [-1, False]
+        out: list[Any] = [-1, False]  # (the count, whether this call concluded the room)
 
         def change(f):
             out[0] = f[_DONE]

@@ -24,6 +24,7 @@ import re
 import secrets
 import shutil
 import stat
+from typing import cast
 
 import posix_ipc
 
@@ -141,7 +142,13 @@ class Segment:
         self._fd = fd
         prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
         self._mmap = mmap.mmap(fd, size, prot=prot) if size else None
-        self.buf = memoryview(self._mmap) if size else memoryview(b"")
+        self.buf = memoryview(self._mmap) if self._mmap is not None else memoryview(b"")
+
+    @property
+    def mapped(self) -> mmap.mmap | bytes:
+        """What ``buf`` views: the mapping (empty bytes for a segment of no size), for numpy
+        arrays over it and for ``find``."""
+        return cast("mmap.mmap | bytes", self.buf.obj)
 
     @classmethod
     def create(cls, name: str, size: int, *, slices: int = 1, touch=None) -> "Segment":
@@ -294,7 +301,9 @@ def sweep(prefix: str, run_id: str | None = None, *, include_live: bool = False)
     removed = []
     runs: dict[str, list[str]] = {}
     for entry in list_objects(prefix, run_id):
-        runs.setdefault(parse_name(entry)[1], []).append(entry)
+        parsed = parse_name(entry)
+        if parsed:  # always: list_objects lists only the names that parse
+            runs.setdefault(parsed[1], []).append(entry)
     for rid, entries in runs.items():
         if not include_live and _run_alive(prefix, rid):
             continue

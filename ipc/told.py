@@ -56,6 +56,8 @@ class ToldTable(SharedTable):
     MAGIC = 0x646C_6F74_0000_0001  # "told", layout 1
     KIND = "told table"
     GEOMETRY = ("capacity", "max_items")
+    capacity: int  # the geometry (SharedTable.__init__ sets it from the header)
+    max_items: int
 
     @classmethod
     def segment_size(cls, capacity: int, max_items: int) -> int:
@@ -69,7 +71,7 @@ class ToldTable(SharedTable):
         super().__init__(seg)
         capacity = self.capacity
         lay = _layout(capacity, self.max_items)
-        mm = seg.buf.obj
+        mm = seg.mapped
         self._room = np.frombuffer(mm, np.uint64, capacity, lay["room"])
         self._rx = np.frombuffer(mm, np.uint64, capacity, lay["rx"])
         self._at = np.frombuffer(mm, np.float64, capacity, lay["at"])
@@ -153,7 +155,7 @@ class ToldTable(SharedTable):
         return True
 
     def _new(self, room: int, receiver: str, now: float, flags: int, item: int | None) -> bool:
-        self._entries()
+        index = self._entries()
         if not self._free:
             return False
         e = self._free.pop()
@@ -165,7 +167,7 @@ class ToldTable(SharedTable):
         if _fault_hook is not None:
             _fault_hook("told.body")
         self._flags[e] = flags  # publish: one byte store
-        self._index.setdefault(room, {})[rx] = e
+        index.setdefault(room, {})[rx] = e
         return True
 
     def forget(self, room: int) -> None:

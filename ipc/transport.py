@@ -44,6 +44,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from ipc import mooncake_log
 
@@ -263,7 +264,7 @@ class Engine:
     def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", device: str = "",
                  *, progress_timeout_s: int | None = None, dispatch_threads: int = 4):
         self._pid = os.getpid()
-        self._te = None
+        self._te: Any = None  # mooncake's TransferEngine (untyped); None until made, and once closed
         self._closed = True
         if protocol not in _PROTOCOLS:
             raise TransportError(
