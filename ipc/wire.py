@@ -12,6 +12,7 @@ import secrets
 import struct
 from collections import Counter
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import blake3
 import msgpack
@@ -41,11 +42,11 @@ class ProtocolError(ValueError):
     """A message breaks a rule; str(e) is the reason sent to the client."""
 
 
-def is_u64(x) -> bool:
+def is_u64(x: object) -> TypeGuard[int]:
     return type(x) is int and 0 <= x <= U64_MAX
 
 
-def is_int(x) -> bool:
+def is_int(x: object) -> TypeGuard[int]:
     return type(x) is int
 
 
