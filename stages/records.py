@@ -96,7 +96,7 @@ class WorkItem:
     span: int
     pixels: Lease | None     # in the pixel arena; None once the tower let go of them
     client_hash: int | None = None
-    pixel_hash: bytes | None = None  # ipc.wire.cache_hash of the pixels (keyed), taken by intake as it read them
+    pixel_hash: bytes | None = None  # ipc.hashing.cache_hash of the pixels (keyed), taken by intake as it read them
     key: tuple | None = None  # cache key, once hashed
     out: Lease | None = None  # in the embedding arena, once the scheduler reserved it
     cache_salt: str = ""  # the request's cache_salt: other salts never share its cache entry or encode
