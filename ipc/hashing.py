@@ -6,6 +6,7 @@ refusals MAC'd under it.
 collide without the run's key. A refusal (``refusal``) is how a front in the worker's own
 main process fails a room at intake, honoured only under that key.
 """
+
 from __future__ import annotations
 
 import secrets
@@ -57,8 +58,9 @@ def cache_hasher(key: bytes, modality: str, grid_thw, pixel_dtype: str):
 
 
 def _hash_header(modality: str, grid_thw, pixel_dtype: str) -> bytes:
-    return f"{modality}|{pixel_dtype}|".encode() + struct.pack(f"<{3 * len(grid_thw)}q",
-                                                             *(x for g in grid_thw for x in g))
+    return f"{modality}|{pixel_dtype}|".encode() + struct.pack(
+        f"<{3 * len(grid_thw)}q", *(x for g in grid_thw for x in g)
+    )
 
 
 # A room that a front in the worker's own main process refused (tokenspeed's gRPC front)
@@ -71,15 +73,26 @@ MAX_REFUSAL_REASON = 512
 
 def refusal(key: bytes, room: int, request_id: str, reason: str) -> dict:
     reason = reason[:MAX_REFUSAL_REASON]
-    return {"v": VERSION, "type": REFUSED, "room": room, "request_id": request_id, "reason": reason,
-            "mac": _refusal_mac(key, room, reason)}
+    return {
+        "v": VERSION,
+        "type": REFUSED,
+        "room": room,
+        "request_id": request_id,
+        "reason": reason,
+        "mac": _refusal_mac(key, room, reason),
+    }
 
 
 def refusal_reason(key: bytes, msg: dict) -> str | None:
     """The reason of a refusal made under `key`; None if `msg` is none."""
     room, reason, mac = room_of(msg), msg.get("reason"), msg.get("mac")
-    if msg.get("type") != REFUSED or room is None or not isinstance(reason, str) or not isinstance(mac, bytes) \
-            or len(reason) > MAX_REFUSAL_REASON:
+    if (
+        msg.get("type") != REFUSED
+        or room is None
+        or not isinstance(reason, str)
+        or not isinstance(mac, bytes)
+        or len(reason) > MAX_REFUSAL_REASON
+    ):
         return None
     return reason if secrets.compare_digest(mac, _refusal_mac(key, room, reason)) else None
 
@@ -104,8 +117,9 @@ def parse_cache_key(data: bytes) -> bytes:
             return bytes.fromhex(text.decode("ascii"))
         except (UnicodeDecodeError, ValueError):
             pass
-    raise ValueError(f"it holds {len(data)} bytes; a cache key is {CACHE_KEY_BYTES} raw bytes or "
-                     f"{2 * CACHE_KEY_BYTES} hex digits")
+    raise ValueError(
+        f"it holds {len(data)} bytes; a cache key is {CACHE_KEY_BYTES} raw bytes or {2 * CACHE_KEY_BYTES} hex digits"
+    )
 
 
 def cache_key_id(key: bytes) -> str:

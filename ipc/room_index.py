@@ -14,6 +14,7 @@ after; one killed in between leaves it odd, and the next writer rebuilds the ind
 from the records. A lock-free reader retries when the word moved under it, and
 scans the table's columns while it is odd.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -42,7 +43,7 @@ class RoomIndex:
     def __init__(self, buf: memoryview, offset: int, capacity: int, header: memoryview, seq_word: int, room_at):
         n = self.entries(capacity)
         self.capacity = capacity
-        self._words = buf[offset:offset + 4 * n].cast("I")
+        self._words = buf[offset : offset + 4 * n].cast("I")
         self._array = np.frombuffer(cast(mmap.mmap, buf.obj), np.uint32, n, offset)
         self._mask, self._shift = n - 1, 64 - (n.bit_length() - 1)
         self._header, self._seq_word = header, seq_word

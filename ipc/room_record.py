@@ -18,6 +18,7 @@ A record is a crc32 over the rest, then the body: the sequence number it was wri
 for, then the fields (ROOM ... KEYS index them, after that number). ``request_id``
 (REQUEST_ID_BYTES of UTF-8) and ``reason`` (REASON_BYTES) are cut with '…' when longer.
 """
+
 from __future__ import annotations
 
 import struct
@@ -41,7 +42,7 @@ def cut(text: str, limit: int) -> bytes:
     b = text.encode("utf-8")
     if len(b) <= limit:
         return b
-    return b[:limit - 3].decode("utf-8", "ignore").encode("utf-8") + "…".encode("utf-8")
+    return b[: limit - 3].decode("utf-8", "ignore").encode("utf-8") + "…".encode("utf-8")
 
 
 def verify(raw: bytes, seq: int) -> tuple | None:
@@ -49,7 +50,11 @@ def verify(raw: bytes, seq: int) -> tuple | None:
     if zlib.crc32(memoryview(raw)[4:]) != int.from_bytes(raw[:4], "little"):
         return None
     f = BODY.unpack_from(raw, 4)
-    if f[0] != seq or f[1 + STATE] > RoomState.FAILED or f[1 + RIDLEN] > REQUEST_ID_BYTES \
-            or f[1 + REASONLEN] > REASON_BYTES:
+    if (
+        f[0] != seq
+        or f[1 + STATE] > RoomState.FAILED
+        or f[1 + RIDLEN] > REQUEST_ID_BYTES
+        or f[1 + REASONLEN] > REASON_BYTES
+    ):
         return None
     return f[1:]

@@ -28,6 +28,7 @@ and ``reason`` (256) are cut with '…' when longer. ``keys`` are the tags
 (``wire.key_tag``) of the CurveZMQ keys the room belongs to, gateway's first; all 0
 without CURVE (stages/ownership.py says what they allow).
 """
+
 from __future__ import annotations
 
 import time
@@ -59,9 +60,17 @@ _FREE_CHUNK = 1024  # slots whose states one step of the FREE-slot search reads
 def _layout(capacity: int) -> dict[str, int]:
     """Segment layout: header, seq u32[cap], columns room u64 / state u8 [cap, 2], records
     [cap, 2] (ipc/room_record.py), custody claims, room index, progress u8[cap]."""
-    return lay_out((("seq", 4 * capacity), ("room", 16 * capacity), ("state", 2 * capacity),
-                    ("rec", 2 * RECORD_BYTES * capacity), *RoomClaims.columns(capacity),
-                    ("index", 4 * RoomIndex.entries(capacity)), ("progress", capacity)))
+    return lay_out(
+        (
+            ("seq", 4 * capacity),
+            ("room", 16 * capacity),
+            ("state", 2 * capacity),
+            ("rec", 2 * RECORD_BYTES * capacity),
+            *RoomClaims.columns(capacity),
+            ("index", 4 * RoomIndex.entries(capacity)),
+            ("progress", capacity),
+        )
+    )
 
 
 _U64 = (0, 2**64 - 1)
@@ -109,10 +118,10 @@ class RoomTable(SharedTable):
         pair = bytearray(2 * RECORD_BYTES)
         for copy, ver in ((0, 0), (1, _U32_MAX)):
             body = BODY.pack(ver, *FREE_FIELDS)
-            pair[copy * RECORD_BYTES:copy * RECORD_BYTES + 4] = zlib.crc32(body).to_bytes(4, "little")
-            pair[copy * RECORD_BYTES + 4:(copy + 1) * RECORD_BYTES] = body
+            pair[copy * RECORD_BYTES : copy * RECORD_BYTES + 4] = zlib.crc32(body).to_bytes(4, "little")
+            pair[copy * RECORD_BYTES + 4 : (copy + 1) * RECORD_BYTES] = body
         at = _layout(capacity)["rec"]
-        buf[at:at + 2 * RECORD_BYTES * capacity] = bytes(pair) * capacity
+        buf[at : at + 2 * RECORD_BYTES * capacity] = bytes(pair) * capacity
 
     def __init__(self, seg: shm.Segment):
         super().__init__(seg)
@@ -120,17 +129,17 @@ class RoomTable(SharedTable):
         lay = _layout(cap)
         mv = self._mv = seg.buf
         mm = seg.mapped
-        self._hdr = mv[:lay["seq"]].cast("Q")
-        self._seqv = mv[lay["seq"]:lay["seq"] + 4 * cap].cast("I")
-        self._roomv = mv[lay["room"]:lay["room"] + 16 * cap].cast("Q")
-        self._statev = mv[lay["state"]:lay["state"] + 2 * cap]
+        self._hdr = mv[: lay["seq"]].cast("Q")
+        self._seqv = mv[lay["seq"] : lay["seq"] + 4 * cap].cast("I")
+        self._roomv = mv[lay["room"] : lay["room"] + 16 * cap].cast("Q")
+        self._statev = mv[lay["state"] : lay["state"] + 2 * cap]
         self._rec0 = lay["rec"]
         self._seq = np.frombuffer(mm, np.uint32, cap, lay["seq"])
         self._rooms = np.frombuffer(mm, np.uint64, 2 * cap, lay["room"]).reshape(cap, 2)
         self._states = np.frombuffer(mm, np.uint8, 2 * cap, lay["state"]).reshape(cap, 2)
         self._claims = RoomClaims(mv, lay["claim_room"], lay["claim_on"], cap)
         self._room_index = RoomIndex(mv, lay["index"], cap, self._hdr, _H_INDEX_SEQ, self._active_room)
-        self._progv = mv[lay["progress"]:lay["progress"] + cap]
+        self._progv = mv[lay["progress"] : lay["progress"] + cap]
         self._lock = SegmentLock(seg)
 
     # -- raw records ---------------------------------------------------------
@@ -148,7 +157,7 @@ class RoomTable(SharedTable):
         for _ in range(_READ_SPINS):
             s = seqv[slot]
             off = base + (s & 1) * RECORD_BYTES
-            raw = mv[off:off + RECORD_BYTES].tobytes()
+            raw = mv[off : off + RECORD_BYTES].tobytes()
             if seqv[slot] == s:
                 return s, verify(raw, s)
         # Writers kept publishing under us: read under their lock.
@@ -158,7 +167,7 @@ class RoomTable(SharedTable):
     def _load_locked(self, slot: int):
         s = self._seqv[slot]
         off = self._rec0 + slot * 2 * RECORD_BYTES + (s & 1) * RECORD_BYTES
-        return s, verify(self._mv[off:off + RECORD_BYTES].tobytes(), s)
+        return s, verify(self._mv[off : off + RECORD_BYTES].tobytes(), s)
 
     def _store(self, slot: int, seq: int, fields) -> None:
         """Lock held: write ``fields`` into the inactive copy, then publish it."""
@@ -171,10 +180,10 @@ class RoomTable(SharedTable):
         self._roomv[c] = fields[ROOM]
         self._statev[c] = fields[STATE]
         # ... then its record, body before crc ...
-        mv[off + 4:off + RECORD_BYTES] = body
+        mv[off + 4 : off + RECORD_BYTES] = body
         if _fault_hook is not None:
             _fault_hook("rooms.body")
-        mv[off:off + 4] = zlib.crc32(body).to_bytes(4, "little")
+        mv[off : off + 4] = zlib.crc32(body).to_bytes(4, "little")
         if _fault_hook is not None:
             _fault_hook("rooms.crc")
         self._seqv[slot] = new  # ... and publish: one aligned 4-byte store
@@ -189,7 +198,7 @@ class RoomTable(SharedTable):
     def _repair(self, slot: int, seq: int):
         """Lock held, active copy damaged: salvage the other copy or conclude the entry."""
         off = self._rec0 + (2 * slot + ((seq & 1) ^ 1)) * RECORD_BYTES
-        raw = self._mv[off:off + RECORD_BYTES].tobytes()
+        raw = self._mv[off : off + RECORD_BYTES].tobytes()
         other = verify(raw, BODY.unpack_from(raw, 4)[0])
         fields: tuple[Any, ...]
         if other is None:
@@ -209,12 +218,18 @@ class RoomTable(SharedTable):
         # Filled through __dict__: a frozen dataclass's __init__ costs several times as much.
         e = _new_entry(RoomEntry)
         e.__dict__.update(
-            slot=slot, room=f[ROOM], request_id=f[RID][:f[RIDLEN]].decode("utf-8", "replace"),
+            slot=slot,
+            room=f[ROOM],
+            request_id=f[RID][: f[RIDLEN]].decode("utf-8", "replace"),
             state=_STATES[max(f[STATE], self._progv[slot]) if f[STATE] < RoomState.SUCCESS else f[STATE]],
-            holders=self._claims.holders(slot, f[ROOM]), items_total=f[TOTAL],
+            holders=self._claims.holders(slot, f[ROOM]),
+            items_total=f[TOTAL],
             items_done=f[DONE],
-            reason=f[REASON][:f[REASONLEN]].decode("utf-8", "replace"),
-            deadline=f[DEADLINE], created=f[CREATED], concluded=f[CONCLUDED], keys=tuple(f[KEYS]),
+            reason=f[REASON][: f[REASONLEN]].decode("utf-8", "replace"),
+            deadline=f[DEADLINE],
+            created=f[CREATED],
+            concluded=f[CONCLUDED],
+            keys=tuple(f[KEYS]),
         )
         return e
 
@@ -319,9 +334,17 @@ class RoomTable(SharedTable):
 
     # -- writes ----------------------------------------------------------------
 
-    def insert(self, room: int, request_id: str, items_total: int, holders: int,
-               deadline: float = 0.0, state: RoomState = RoomState.BOOTSTRAPPING,
-               existing_ok: bool = False, keys: tuple[int, ...] = ()) -> int:
+    def insert(
+        self,
+        room: int,
+        request_id: str,
+        items_total: int,
+        holders: int,
+        deadline: float = 0.0,
+        state: RoomState = RoomState.BOOTSTRAPPING,
+        existing_ok: bool = False,
+        keys: tuple[int, ...] = (),
+    ) -> int:
         """Record a new room; return its slot. TableFull when no slot is FREE.
 
         ``keys``: the tags of the keys it belongs to, at most ROOM_KEYS (none without CURVE).
@@ -341,8 +364,20 @@ class RoomTable(SharedTable):
         tags = [_check_range("key tag", k, *_U64) for k in keys] + [0] * (ROOM_KEYS - len(keys))
         rid = cut(str(request_id), REQUEST_ID_BYTES)
         now = time.monotonic()
-        fields = [room, int(state), len(rid), 0, items_total, 0, float(deadline), now,
-                  now if state in _FINAL else 0.0, rid, b"", *tags]
+        fields = [
+            room,
+            int(state),
+            len(rid),
+            0,
+            items_total,
+            0,
+            float(deadline),
+            now,
+            now if state in _FINAL else 0.0,
+            rid,
+            b"",
+            *tags,
+        ]
         with self._lock:
             self._clean_index()
             dup = self._find_locked(room)
@@ -392,8 +427,12 @@ class RoomTable(SharedTable):
             slot = self._slot_index(slot)
             _, f = self._load(slot)
             if f is not None:  # (a damaged record is repaired by the locked way below)
-                if f[STATE] == RoomState.FREE or f[ROOM] != room or f[STATE] >= RoomState.SUCCESS \
-                        or state <= max(f[STATE], self._progv[slot]):
+                if (
+                    f[STATE] == RoomState.FREE
+                    or f[ROOM] != room
+                    or f[STATE] >= RoomState.SUCCESS
+                    or state <= max(f[STATE], self._progv[slot])
+                ):
                     return False
                 self._progv[slot] = int(state)
                 return True

@@ -45,6 +45,7 @@ A table with a signature of its own (a default capacity, a fixed name) defines
 after its header, each on a cache line. ``SlotTable`` is a SharedTable of slots each
 published by a generation word.
 """
+
 from __future__ import annotations
 
 from operator import index as _index
@@ -103,7 +104,7 @@ class SharedTable:
         seg = shm.Segment.create(cls.segment_name(prefix, run_id, what), size)
         try:
             cls.format(seg.buf, *geometry)
-            words = seg.buf[:8 * (len(geometry) + 2)].cast("Q")
+            words = seg.buf[: 8 * (len(geometry) + 2)].cast("Q")
             try:
                 for k, value in enumerate(geometry + (size,), 1):
                     words[k] = value
@@ -153,19 +154,22 @@ class SharedTable:
         n = len(cls.GEOMETRY)
         if seg.size < 8 * (n + 2):
             raise shm.ShmError(f"{seg.name!r} is too small to be a {cls.KIND}")
-        words = seg.buf[:8 * (n + 2)].cast("Q")
+        words = seg.buf[: 8 * (n + 2)].cast("Q")
         magic, *geometry, size = words.tolist()
         words.release()
         if magic != cls.MAGIC:
-            raise shm.ShmError(f"{seg.name!r} is not an initialised {cls.KIND} (bad magic: half-made, "
-                               f"or another kind or layout)")
+            raise shm.ShmError(
+                f"{seg.name!r} is not an initialised {cls.KIND} (bad magic: half-made, or another kind or layout)"
+            )
         try:
             expected = cls.segment_size(*geometry)
         except ValueError:
             expected = None
         if expected != size:
-            raise shm.ShmError(f"{seg.name!r} is not an initialised {cls.KIND} (its header's geometry "
-                               f"{dict(zip(cls.GEOMETRY, geometry))} and size {size} disagree)")
+            raise shm.ShmError(
+                f"{seg.name!r} is not an initialised {cls.KIND} (its header's geometry "
+                f"{dict(zip(cls.GEOMETRY, geometry))} and size {size} disagree)"
+            )
         if seg.size < size:
             raise shm.ShmError(f"{cls.KIND} {seg.name!r} is smaller than its header says")
         return tuple(geometry)

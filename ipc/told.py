@@ -19,6 +19,7 @@ Bounded: `capacity` entries, sized by the caller from the rooms remembered at on
 tombstone is (`forget`). When it is full `record_*` returns False: the status still
 goes out, unrecorded (the caller counts it).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -48,8 +49,15 @@ def receiver_hash(receiver: str) -> int:
 
 def _layout(capacity: int, max_items: int) -> dict[str, int]:
     """Columns: room u64, receiver hash u64, first told f64, flags u8, item bits u8[items/8]."""
-    return lay_out((("room", 8 * capacity), ("rx", 8 * capacity), ("at", 8 * capacity),
-                    ("flags", capacity), ("items", capacity * ((max_items + 7) // 8))))
+    return lay_out(
+        (
+            ("room", 8 * capacity),
+            ("rx", 8 * capacity),
+            ("at", 8 * capacity),
+            ("flags", capacity),
+            ("items", capacity * ((max_items + 7) // 8)),
+        )
+    )
 
 
 class ToldTable(SharedTable):
@@ -76,8 +84,9 @@ class ToldTable(SharedTable):
         self._rx = np.frombuffer(mm, np.uint64, capacity, lay["rx"])
         self._at = np.frombuffer(mm, np.float64, capacity, lay["at"])
         self._flags = np.frombuffer(mm, np.uint8, capacity, lay["flags"])
-        self._items = np.frombuffer(mm, np.uint8, capacity * ((self.max_items + 7) // 8),
-                                    lay["items"]).reshape(capacity, -1)
+        self._items = np.frombuffer(mm, np.uint8, capacity * ((self.max_items + 7) // 8), lay["items"]).reshape(
+            capacity, -1
+        )
         self._index: dict[int, dict[int, int]] | None = None  # room -> receiver hash -> entry
         self._free: list[int] = []
 

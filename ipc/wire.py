@@ -3,6 +3,7 @@
 Only structure is checked here; rules that need the worker's state (the tower's
 patch_dim, the item's span, remembered rooms) are checked by the stages.
 """
+
 from __future__ import annotations
 
 import base64
@@ -31,7 +32,9 @@ _Z85_KEY = re.compile(r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}")  # a CurveZM
 # A status endpoint under TOKENSPEED_STATUS hears tokenspeed's status frames instead of
 # ours (tokenspeed_status): what the tokenspeed frame front registers its prefill ranks with.
 TOKENSPEED_STATUS = "tokenspeed+"
-_STATUS_ENDPOINT = re.compile(r"(?:tokenspeed\+)?tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})|ipc://[^\0]{1,100}")
+_STATUS_ENDPOINT = re.compile(
+    r"(?:tokenspeed\+)?tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})|ipc://[^\0]{1,100}"
+)
 
 
 class ProtocolError(ValueError):
@@ -105,6 +108,7 @@ class PixelsRef:
 class MediaRef:
     """A compressed image (protocol 1.2): its format, its size in bytes, the processor's
     resize bounds the gateway asked for (0: the worker's own)."""
+
     format: str
     size: int
     min_pixels: int = 0
@@ -159,10 +163,14 @@ def parse_encode(msg: dict, max_items: int) -> EncodeRequest:
     if salt is not None and (not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT):
         raise ProtocolError(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters")
     receivers = msg.get("receivers")
-    if receivers is not None and not (isinstance(receivers, list) and 1 <= len(receivers) <= MAX_ROOM_RECEIVERS
-                                      and all(isinstance(k, str) and _Z85_KEY.fullmatch(k) for k in receivers)):
-        raise ProtocolError(f"receivers must be a list of 1..{MAX_ROOM_RECEIVERS} CurveZMQ public keys "
-                            f"(40 characters of Z85)")
+    if receivers is not None and not (
+        isinstance(receivers, list)
+        and 1 <= len(receivers) <= MAX_ROOM_RECEIVERS
+        and all(isinstance(k, str) and _Z85_KEY.fullmatch(k) for k in receivers)
+    ):
+        raise ProtocolError(
+            f"receivers must be a list of 1..{MAX_ROOM_RECEIVERS} CurveZMQ public keys (40 characters of Z85)"
+        )
     items = msg.get("items")
     if not isinstance(items, list) or not 1 <= len(items) <= max_items:
         raise ProtocolError(f"items must be a list of 1..{max_items} items (max_items_per_request)")
@@ -249,10 +257,12 @@ def _parse_media(i: int, m) -> PixelsRef:
         url = m["url"]
         match = _DATA_URL.match(url) if isinstance(url, str) else None
         if match is None:
-            raise ProtocolError(f"item {i}: media.url must be a data:image/(jpeg|png|webp);base64, URL "
-                                f"(this worker fetches no http(s) URL)")
+            raise ProtocolError(
+                f"item {i}: media.url must be a data:image/(jpeg|png|webp);base64, URL "
+                f"(this worker fetches no http(s) URL)"
+            )
         try:
-            data = base64.b64decode(url[match.end():], validate=True)
+            data = base64.b64decode(url[match.end() :], validate=True)
         except ValueError:
             raise ProtocolError(f"item {i}: media.url is not valid base64") from None
         fmt = fmt or {"jpg": "jpeg"}.get(match.group(1).lower(), match.group(1).lower())
@@ -269,8 +279,9 @@ def _parse_media(i: int, m) -> PixelsRef:
     size = len(data) if data is not None else m.get("size")
     if not (is_int(size) and 1 <= size <= 1 << 40):
         raise ProtocolError(f"item {i}: media must have 1 or more bytes (media.size with media.shm)")
-    return PixelsRef(shape=(size, 1), dtype="float32", shm=shm, data=data,
-                     media=MediaRef(fmt, size, bounds[0], bounds[1]))
+    return PixelsRef(
+        shape=(size, 1), dtype="float32", shm=shm, data=data, media=MediaRef(fmt, size, bounds[0], bounds[1])
+    )
 
 
 def check_item_against_tower(i: int, item: EncodeItem, patch_dim: int, merge: int) -> int:
@@ -278,20 +289,22 @@ def check_item_against_tower(i: int, item: EncodeItem, patch_dim: int, merge: in
     n_patches = 0
     for t, h, w in item.grid_thw:
         if h % merge or w % merge:
-            raise ProtocolError(
-                f"item {i}: grid [{t}, {h}, {w}] has h or w not divisible by the merge size {merge}")
+            raise ProtocolError(f"item {i}: grid [{t}, {h}, {w}] has h or w not divisible by the merge size {merge}")
         n_patches += t * h * w
     if item.pixels.media is not None:  # the patches are the preprocess stage's to make, and check
         return n_patches // (merge * merge)
     if item.pixels.shape[0] != n_patches:
         raise ProtocolError(
-            f"item {i}: pixels.shape[0] is {item.pixels.shape[0]} but grid_thw gives {n_patches} patches")
+            f"item {i}: pixels.shape[0] is {item.pixels.shape[0]} but grid_thw gives {n_patches} patches"
+        )
     if item.pixels.shape[1] != patch_dim:
         raise ProtocolError(
-            f"item {i}: pixels.shape[1] is {item.pixels.shape[1]} but the tower's patch_dim is {patch_dim}")
+            f"item {i}: pixels.shape[1] is {item.pixels.shape[1]} but the tower's patch_dim is {patch_dim}"
+        )
     if item.pixels.data is not None and len(item.pixels.data) != item.pixels.nbytes:
         raise ProtocolError(
-            f"item {i}: inline data has {len(item.pixels.data)} bytes, shape and dtype need {item.pixels.nbytes}")
+            f"item {i}: inline data has {len(item.pixels.data)} bytes, shape and dtype need {item.pixels.nbytes}"
+        )
     return n_patches // (merge * merge)
 
 
@@ -302,6 +315,7 @@ def check_item_against_tower(i: int, item: EncodeItem, patch_dim: int, merge: in
 class KeyedFrame:
     """A frame from a CurveZMQ socket, with the public key (Z85) its peer authenticated
     with: the worker binds a receiver id to the key that registered it."""
+
     data: bytes
     key: str
 
@@ -380,6 +394,7 @@ class Cancel:
 class Query:
     """(1.1) The receiver heard nothing of a room for a while: the worker repeats what it
     told it about the room."""
+
     receiver: str
     room: int
 
@@ -395,8 +410,9 @@ def _status_endpoint(msg: dict) -> str:
     status = _short_str(msg, "status")
     m = _STATUS_ENDPOINT.fullmatch(status)
     if m is None or (m.group(2) is not None and not 1 <= int(m.group(2)) <= 65535):
-        raise ProtocolError("status must be an endpoint tcp://host:port (port 1..65535) "
-                            "or ipc://path (up to 100 characters)")
+        raise ProtocolError(
+            "status must be an endpoint tcp://host:port (port 1..65535) or ipc://path (up to 100 characters)"
+        )
     return status
 
 
@@ -444,18 +460,37 @@ def parse_bootstrap(msg: dict) -> Register | Alloc | Cancel | Query:
         raise ProtocolError("fanout must be an integer in 1..1024")
     if not isinstance(msg.get("dtype"), str) or msg["dtype"] not in DTYPES:
         raise ProtocolError(f"dtype must be one of {', '.join(DTYPES)}")
-    alloc = Alloc(receiver, msg["room"], msg["item"], msg["dst"], msg["dst_deepstack"],
-                  msg["row_start"], msg["n_rows"], msg["span"], msg["hidden"], msg["dtype"],
-                  msg["deepstack_width"], fanout, _incarnation(msg))
+    alloc = Alloc(
+        receiver,
+        msg["room"],
+        msg["item"],
+        msg["dst"],
+        msg["dst_deepstack"],
+        msg["row_start"],
+        msg["n_rows"],
+        msg["span"],
+        msg["hidden"],
+        msg["dtype"],
+        msg["deepstack_width"],
+        fanout,
+        _incarnation(msg),
+    )
     if "session" in msg or "status" in msg:
         alloc.session, alloc.status = _session(msg), _status_endpoint(msg)
     return alloc
 
 
-def status_message(room: int, item: int | None, ok: bool, reason: str = "", *,
-                   digest: bytes | None = None, repeat: bool = False) -> bytes:
-    msg = {"v": VERSION, "type": "status", "room": room, "item": item,
-           "state": "success" if ok else "failed", "reason": "" if ok else reason}
+def status_message(
+    room: int, item: int | None, ok: bool, reason: str = "", *, digest: bytes | None = None, repeat: bool = False
+) -> bytes:
+    msg = {
+        "v": VERSION,
+        "type": "status",
+        "room": room,
+        "item": item,
+        "state": "success" if ok else "failed",
+        "reason": "" if ok else reason,
+    }
     if digest is not None:
         msg["digest"] = digest
     if repeat:
