@@ -14,9 +14,9 @@ piece by piece, stages.segments.READ_PIECE bytes at a time, as each piece lands.
   shared-memory segment of the gateway's kind into a resident buffer, hashing as it
   reads; and the same read without a hasher (``read``).
 
-Hashes: ``xxh3_64`` (``ipc.wire.content_hasher``: the cache key before protocol 1.1, now only
+Hashes: ``xxh3_64`` (``ipc.hashing.content_hasher``: the cache key before protocol 1.1, now only
 what gateways route by; unkeyed, 64 bits), ``xxh3_128`` (unkeyed, 128 bits), and
-``blake3_keyed`` (``ipc.wire.cache_hasher``, the cache key: BLAKE3 in keyed mode, a
+``blake3_keyed`` (``ipc.hashing.cache_hasher``, the cache key: BLAKE3 in keyed mode, a
 32-byte key, 256 bits out); and ``blake2b_keyed`` (the standard library's keyed BLAKE2b,
 256 bits out), the keyed hash one could have without a dependency. Every figure is the best
 (least disturbed) of several trials of many images, the methods taken in turn within
@@ -42,7 +42,7 @@ import blake3  # noqa: E402
 import numpy as np  # noqa: E402
 import xxhash  # noqa: E402
 
-from ipc import shm, wire  # noqa: E402
+from ipc import hashing, shm, wire  # noqa: E402
 from stages import segments  # noqa: E402
 
 PATCH_DIM = 1176  # 3 x 2 x 14 x 14: the Qwen towers' patch
@@ -53,9 +53,9 @@ PREFIX = "hashbench"
 def header_hasher(kind: str, key: bytes, grid):
     """A running hash of `kind` that has taken the header intake hashes before the pixels."""
     if kind == "blake3_keyed":
-        return wire.cache_hasher(key, "image", grid, "float32")
+        return hashing.cache_hasher(key, "image", grid, "float32")
     if kind == "xxh3_64":
-        return wire.content_hasher("image", grid, "float32")
+        return hashing.content_hasher("image", grid, "float32")
     if kind == "blake2b_keyed":
         h = hashlib.blake2b(key=key, digest_size=32)
         h.update(b"image|float32|" + np.array(grid, "<i8").tobytes())

@@ -41,6 +41,7 @@ Crash consistency (a holder SIGKILLed anywhere):
 * ``reclaim`` journals slot by slot: a crash leaves a prefix of it done, and
   reclaiming again finishes it.
 """
+
 from __future__ import annotations
 
 from operator import index as _index
@@ -86,18 +87,21 @@ _fault_hook = None
 
 
 def _layout(nblocks: int, max_leases: int, max_owners: int) -> dict[str, int]:
-    off = lay_out((
-        ("header", 8 * _H_WORDS),
-        ("jint", 8 * _J_WORDS),
-        ("jrefs", 4 * max_owners),
-        ("state", max_leases),
-        ("gen", 4 * max_leases),
-        ("start", 8 * max_leases),
-        ("nblk", 8 * max_leases),
-        ("length", 8 * max_leases),
-        ("refs", 4 * max_leases * max_owners),
-        ("map", nblocks),
-    ), start=0)
+    off = lay_out(
+        (
+            ("header", 8 * _H_WORDS),
+            ("jint", 8 * _J_WORDS),
+            ("jrefs", 4 * max_owners),
+            ("state", max_leases),
+            ("gen", 4 * max_leases),
+            ("start", 8 * max_leases),
+            ("nblk", 8 * max_leases),
+            ("length", 8 * max_leases),
+            ("refs", 4 * max_leases * max_owners),
+            ("map", nblocks),
+        ),
+        start=0,
+    )
     off["total"] = (off["total"] + 4095) // 4096 * 4096
     return off
 
@@ -112,6 +116,10 @@ class Arena(SharedTable):
     KIND = "arena"
     GEOMETRY = ("size", "block_size", "max_leases", "max_owners")
     MAX_LEASES = 2**24  # lease slots an arena can have
+    size: int  # the geometry (SharedTable.__init__ sets it from the header)
+    block_size: int
+    max_leases: int
+    max_owners: int
 
     # -- construction ------------------------------------------------------
 
@@ -126,20 +134,35 @@ class Arena(SharedTable):
     @classmethod
     def format(cls, buf: memoryview, size: int, block_size: int, max_leases: int, max_owners: int) -> None:
         """posix_fallocate left the segment zeroed: all slots FREE, the map free; no journal."""
-        buf[8 * _H_JSLOT:8 * _H_JSLOT + 8] = (-1).to_bytes(8, "little", signed=True)
+        buf[8 * _H_JSLOT : 8 * _H_JSLOT + 8] = (-1).to_bytes(8, "little", signed=True)
 
     @classmethod
     def segment_name(cls, prefix: str, run_id: str, what: str) -> str:
         return shm.object_name(prefix, run_id, what + ".meta")
 
     @classmethod
-    def create(cls, prefix: str, run_id: str, what: str, size: int, *, block_size: int = 4096,
-               max_leases: int = 4096, max_owners: int = 16, slices: int = 1, touch=None) -> "Arena":
+    def create(  # type: ignore[override]  # a signature of its own (shared_table.py)
+        cls,
+        prefix: str,
+        run_id: str,
+        what: str,
+        size: int,
+        *,
+        block_size: int = 4096,
+        max_leases: int = 4096,
+        max_owners: int = 16,
+        slices: int = 1,
+        touch=None,
+    ) -> "Arena":
         """`size` rounded up to whole blocks. `slices`, `touch`: the data's pages allocated in
         parts, each in a context of its own (shm.Segment.create: a NUMA first touch per part)."""
         size, block_size = _index(size), _index(block_size)
-        geometry = (-(-size // block_size) * block_size if block_size > 0 else size, block_size,
-                    _index(max_leases), _index(max_owners))
+        geometry = (
+            -(-size // block_size) * block_size if block_size > 0 else size,
+            block_size,
+            _index(max_leases),
+            _index(max_owners),
+        )
         cls.segment_size(*geometry)  # checked before anything is made
         data = shm.Segment.create(shm.object_name(prefix, run_id, what), geometry[0], slices=slices, touch=touch)
         try:
@@ -157,7 +180,7 @@ class Arena(SharedTable):
             raise
 
     @classmethod
-    def attach(cls, prefix: str, run_id: str, what: str) -> "Arena":
+    def attach(cls, prefix: str, run_id: str, what: str) -> "Arena":  # type: ignore[override]  # a signature of its own (shared_table.py)
         meta = cls.attach_segment(prefix, run_id, what)
         try:
             data = shm.Segment.attach(shm.object_name(prefix, run_id, what))
@@ -175,32 +198,32 @@ class Arena(SharedTable):
         super().__init__(meta)
         self._data, self._meta = data, meta
         self.nblocks = self.size // self.block_size
-        L, W, nb = self.max_leases, self.max_owners, self.nblocks
+        L, owners, nb = self.max_leases, self.max_owners, self.nblocks
         if data.size < self.size:
             raise shm.ShmError(f"arena data {data.name!r} is smaller than its table {meta.name!r} says")
-        lay = self._lay = _layout(nb, L, W)
-        mv, mm = meta.buf, meta.buf.obj
+        lay = self._lay = _layout(nb, L, owners)
+        mv, mm = meta.buf, meta.mapped
         # memoryview casts for scalar access (fast, plain ints), numpy for scans.
-        self._h = mv[lay["header"]:lay["header"] + 8 * _H_WORDS].cast("q")
-        self._jq = mv[lay["jint"]:lay["jint"] + 8 * _J_WORDS].cast("q")
-        self._jr = mv[lay["jrefs"]:lay["jrefs"] + 4 * W].cast("I")
-        self._st = mv[lay["state"]:lay["state"] + L]
-        self._gen = mv[lay["gen"]:lay["gen"] + 4 * L].cast("I")
-        self._start = mv[lay["start"]:lay["start"] + 8 * L].cast("q")
-        self._nblk = mv[lay["nblk"]:lay["nblk"] + 8 * L].cast("q")
-        self._len = mv[lay["length"]:lay["length"] + 8 * L].cast("q")
-        self._refs = mv[lay["refs"]:lay["refs"] + 4 * L * W].cast("I")
-        self._map = mv[lay["map"]:lay["map"] + nb]
+        self._h = mv[lay["header"] : lay["header"] + 8 * _H_WORDS].cast("q")
+        self._jq = mv[lay["jint"] : lay["jint"] + 8 * _J_WORDS].cast("q")
+        self._jr = mv[lay["jrefs"] : lay["jrefs"] + 4 * owners].cast("I")
+        self._st = mv[lay["state"] : lay["state"] + L]
+        self._gen = mv[lay["gen"] : lay["gen"] + 4 * L].cast("I")
+        self._start = mv[lay["start"] : lay["start"] + 8 * L].cast("q")
+        self._nblk = mv[lay["nblk"] : lay["nblk"] + 8 * L].cast("q")
+        self._len = mv[lay["length"] : lay["length"] + 8 * L].cast("q")
+        self._refs = mv[lay["refs"] : lay["refs"] + 4 * L * owners].cast("I")
+        self._map = mv[lay["map"] : lay["map"] + nb]
         self._mm = mm
         self._n_state = np.frombuffer(mm, np.uint8, L, lay["state"])
         self._n_start = np.frombuffer(mm, np.int64, L, lay["start"])
         self._n_nblk = np.frombuffer(mm, np.int64, L, lay["nblk"])
-        self._n_refs = np.frombuffer(mm, np.uint32, L * W, lay["refs"]).reshape(L, W)
+        self._n_refs = np.frombuffer(mm, np.uint32, L * owners, lay["refs"]).reshape(L, owners)
         self._n_map = np.frombuffer(mm, np.uint8, nb, lay["map"])
         self._zeros = memoryview(bytes(nb))
         self._ones = memoryview(b"\x01" * nb)
-        self._zrow = memoryview(bytes(4 * W)).cast("I")
-        a = np.frombuffer(data.buf.obj, np.uint8, 1, 0)
+        self._zrow = memoryview(bytes(4 * owners)).cast("I")
+        a = np.frombuffer(data.mapped, np.uint8, 1, 0)
         self.address = int(a.ctypes.data)
         del a
         self._lock = SegmentLock(meta, on_acquire=self._recover_if_dirty)
@@ -228,7 +251,7 @@ class Arena(SharedTable):
         jq[3] = self._nblk[slot]
         jq[4] = self._len[slot]
         b = slot * self.max_owners
-        self._jr[:] = self._refs[b:b + self.max_owners]
+        self._jr[:] = self._refs[b : b + self.max_owners]
         h[_H_JSLOT] = slot
 
     def _end(self) -> None:
@@ -253,7 +276,7 @@ class Arena(SharedTable):
             self._nblk[j] = jq[3]
             self._len[j] = jq[4]
             b = j * self.max_owners
-            self._refs[b:b + self.max_owners] = self._jr
+            self._refs[b : b + self.max_owners] = self._jr
             self._st[j] = jq[0]
         h[_H_JSLOT] = -1
         self._rebuild()
@@ -275,8 +298,10 @@ class Arena(SharedTable):
         starts, counts = self._n_start[idx], self._n_nblk[idx]
         bad = (starts < 0) | (counts <= 0) | (starts + counts > self.nblocks)
         if bad.any():
-            raise RuntimeError(f"arena {self._meta.name!r}: lease table holds impossible leases "
-                               f"(slots {idx[bad].tolist()}); metadata is corrupt")
+            raise RuntimeError(
+                f"arena {self._meta.name!r}: lease table holds impossible leases "
+                f"(slots {idx[bad].tolist()}); metadata is corrupt"
+            )
         cover = self._coverage(starts, counts)
         if cover.size and cover.max() > 1:
             raise RuntimeError(f"arena {self._meta.name!r}: live leases overlap; metadata is corrupt")
@@ -302,8 +327,13 @@ class Arena(SharedTable):
     def _slot_of(self, lease) -> int:
         """Lock held: the slot of a valid lease, else StaleLease."""
         slot, gen, offset, length = lease
-        if (not 0 <= slot < self.max_leases or self._st[slot] != _LIVE or self._gen[slot] != gen
-                or self._start[slot] * self.block_size != offset or self._len[slot] != length):
+        if (
+            not 0 <= slot < self.max_leases
+            or self._st[slot] != _LIVE
+            or self._gen[slot] != gen
+            or self._start[slot] * self.block_size != offset
+            or self._len[slot] != length
+        ):
             raise StaleLease(f"lease {tuple(lease)} is stale (freed or its slot reused)")
         return slot
 
@@ -341,8 +371,10 @@ class Arena(SharedTable):
             start = pos - lay["map"]
             slot = self._mm.find(b"\0", lay["state"], lay["state"] + self.max_leases)
             if slot < 0:
-                raise ArenaFull(f"arena {self._data.name!r}: all {self.max_leases} lease slots are "
-                                f"live; raise max_leases or drop leases")
+                raise ArenaFull(
+                    f"arena {self._data.name!r}: all {self.max_leases} lease slots are "
+                    f"live; raise max_leases or drop leases"
+                )
             slot -= lay["state"]
             self._begin()
             try:
@@ -354,14 +386,14 @@ class Arena(SharedTable):
                 self._nblk[slot] = k
                 self._len[slot] = nbytes
                 b = slot * self.max_owners
-                self._refs[b:b + self.max_owners] = self._zrow
+                self._refs[b : b + self.max_owners] = self._zrow
                 self._refs[b + owner] = 1
                 if hook is not None:
                     hook("alloc.filled")
                 self._st[slot] = _LIVE  # commit
                 if hook is not None:
                     hook("alloc.committed")
-                self._map[start:start + k] = self._ones[:k]
+                self._map[start : start + k] = self._ones[:k]
                 if hook is not None:
                     hook("alloc.mapped")
                 self._h[_H_USED] += k
@@ -386,7 +418,7 @@ class Arena(SharedTable):
         with self._lock:
             slot, i, n = self._held_by(lease, owner)
             b = slot * self.max_owners
-            if n > 1 or sum(self._refs[b:b + self.max_owners]) > 1:
+            if n > 1 or sum(self._refs[b : b + self.max_owners]) > 1:
                 self._refs[i] = n - 1  # one aligned store: no journal needed
                 return False
             self._begin()
@@ -409,7 +441,7 @@ class Arena(SharedTable):
         if hook is not None:
             hook("free.committed")
         start, k = self._start[slot], self._nblk[slot]
-        self._map[start:start + k] = self._zeros[:k]
+        self._map[start : start + k] = self._zeros[:k]
         self._h[_H_USED] -= k
         self._h[_H_LIVE] -= 1
 
@@ -451,7 +483,7 @@ class Arena(SharedTable):
                     n = self._refs[i]
                     self._journal(slot)
                     b = slot * self.max_owners
-                    if sum(self._refs[b:b + self.max_owners]) == n:
+                    if sum(self._refs[b : b + self.max_owners]) == n:
                         self._free_slot(slot, i)
                     else:
                         self._refs[i] = 0
@@ -475,8 +507,12 @@ class Arena(SharedTable):
         if self.closed or not 0 <= slot < self.max_leases:
             return False
         g = self._gen[slot]
-        ok = (g == gen and self._st[slot] == _LIVE and self._start[slot] * self.block_size == offset
-              and self._len[slot] == length)
+        ok = (
+            g == gen
+            and self._st[slot] == _LIVE
+            and self._start[slot] * self.block_size == offset
+            and self._len[slot] == length
+        )
         return ok and self._gen[slot] == g and not self._h[_H_SEQ] & 1
 
     def valid(self, lease: Lease) -> bool:
@@ -497,7 +533,7 @@ class Arena(SharedTable):
         if not self._live_now(lease):
             with self._lock:
                 self._slot_of(lease)
-        return self._data.buf[lease.offset:lease.offset + lease.length]
+        return self._data.buf[lease.offset : lease.offset + lease.length]
 
     def refs(self, lease: Lease) -> dict[int, int]:
         """owner -> references held, for a valid lease (StaleLease otherwise)."""
@@ -517,8 +553,7 @@ class Arena(SharedTable):
         for sure, a cheap test for a stage that waits for room."""
         blocks = sum(-(-_index(n) // self.block_size) for n in lengths)
         with self._lock:
-            return (blocks <= self.nblocks - self._h[_H_USED]
-                    and len(lengths) <= self.max_leases - self._h[_H_LIVE])
+            return blocks <= self.nblocks - self._h[_H_USED] and len(lengths) <= self.max_leases - self._h[_H_LIVE]
 
     def live_leases(self) -> list[Lease]:
         """Every live lease, by offset."""
@@ -548,5 +583,7 @@ class Arena(SharedTable):
         self._meta.unlink()
 
     def __repr__(self) -> str:
-        return (f"Arena({self._data.name!r}, size={self.size}, block_size={self.block_size}, "
-                f"max_leases={self.max_leases}, max_owners={self.max_owners})")
+        return (
+            f"Arena({self._data.name!r}, size={self.size}, block_size={self.block_size}, "
+            f"max_leases={self.max_leases}, max_owners={self.max_owners})"
+        )

@@ -11,14 +11,26 @@ of a Python loop, and the sizes are checked to add up.  (A ring's segment is mod
 0600: only a process of our own user, which could do anything as us anyway, can
 write what that parser reads.)
 """
+
 from __future__ import annotations
 
 import pickle
 import struct
 from itertools import chain
 
-__all__ = ["RECORD_HEADER", "RECORD_TAG", "as_bytes_like", "frame", "header_of", "length_at",
-           "pack_header", "read_at", "unframe", "unpack_u32", "write_at"]
+__all__ = [
+    "RECORD_HEADER",
+    "RECORD_TAG",
+    "as_bytes_like",
+    "frame",
+    "header_of",
+    "length_at",
+    "pack_header",
+    "read_at",
+    "unframe",
+    "unpack_u32",
+    "write_at",
+]
 
 RECORD_HEADER = 5  # tag byte + u32 payload length
 RECORD_TAG = 0x42  # pickle BINBYTES

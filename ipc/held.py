@@ -13,6 +13,7 @@ Each slot holds one alloc (msgpack, at most ``BODY`` bytes) and a generation num
 published by one aligned 8-byte store of its generation, so a writer killed at any
 instruction leaves every slot free or whole. Bounded by `max_held_allocs`.
 """
+
 from __future__ import annotations
 
 import struct
@@ -53,7 +54,7 @@ class HeldAllocs(SlotTable):
             at = self.slots_at + slot * _SLOT
             since, n = _HEAD.unpack_from(self.buf, at)
             try:
-                body = bytes(self.buf[at + _HEAD.size:at + _HEAD.size + n])
+                body = bytes(self.buf[at + _HEAD.size : at + _HEAD.size + n])
                 out.append((slot, since, Alloc(*msgpack.unpackb(body))))
             except Exception:  # not ours to answer if it cannot be read: free it
                 self.generations[slot] = 0
@@ -72,13 +73,14 @@ class HeldAllocs(SlotTable):
         slot = self._free.pop()
         at = self.slots_at + slot * _SLOT
         _HEAD.pack_into(self.buf, at, since, len(body))
-        self.buf[at + _HEAD.size:at + _HEAD.size + len(body)] = body
+        self.buf[at + _HEAD.size : at + _HEAD.size + len(body)] = body
         self.generations[slot] = self._next_gen  # one aligned store publishes it
         self._next_gen += 1
         return slot
 
     def remove(self, slot: int) -> None:
         self.generations[slot] = 0
+        assert self._free is not None  # the slot came from put() or load(), which made it
         self._free.append(slot)
 
     def __len__(self) -> int:

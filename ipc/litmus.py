@@ -21,12 +21,14 @@ A ring the consumer finds corrupt counts as torn.  It exits 0 when there were no
 also shows the barriers are where they must be.  An emulator (qemu-user) does not
 reorder memory as hardware does: a pass there shows only that it builds and runs.
 """
+
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
 import sys
 import time
+from typing import Any
 
 from ipc import shm
 from ipc.ordering import check_cpu
@@ -53,13 +55,13 @@ def record(seq: int) -> bytes:
     """Record ``seq``: its number, then ``(seq + i) % 256`` for its i-th following byte."""
     n = 8 + (seq * 40503) % (MAX_PAYLOAD - 7)
     k = seq % 256
-    return seq.to_bytes(8, "little") + _PATTERN[k:k + n - 8]
+    return seq.to_bytes(8, "little") + _PATTERN[k : k + n - 8]
 
 
 def slot_bytes(seq: int) -> bytes:
     """What record ``seq``'s arena slot holds."""
     k = seq * 7 % 256
-    return seq.to_bytes(8, "little") + _PATTERN[k:k + SLOT - 8]
+    return seq.to_bytes(8, "little") + _PATTERN[k : k + SLOT - 8]
 
 
 def _produce(prefix: str, run_id: str, seconds: float, conn) -> None:
@@ -73,7 +75,7 @@ def _produce(prefix: str, run_id: str, seconds: float, conn) -> None:
             batch = []
             for s in range(seq, seq + 1 + seq % MAX_BATCH):
                 at = s % SLOTS * SLOT
-                slots[at:at + SLOT] = slot_bytes(s)
+                slots[at : at + SLOT] = slot_bytes(s)
                 batch.append(record(s))
             # The push's release store of head publishes the slots written above too.
             if ring.push_batch(batch, timeout=STALL_S) < len(batch):
@@ -97,7 +99,7 @@ def _check(rec: bytes, expected: int, slots) -> tuple[str | None, int]:
     if rec != record(got):
         return "torn", got
     at = got % SLOTS * SLOT
-    held = slots[at:at + SLOT]
+    held = slots[at : at + SLOT]
     if held != slot_bytes(got):
         return ("arena_stale" if int.from_bytes(held[:8], "little") < got else "arena_torn"), got
     return None, got
@@ -137,8 +139,7 @@ def _check_all(ring: Ring, slots, counts: dict, first: list) -> int | None:
                 kind, got = _check(rec, expected, slots)
                 if kind is not None:
                     counts[kind] += 1
-                    first.append(f"{kind.replace('_', ' ')}: record {expected} read as {got} "
-                                 f"({len(rec)} bytes)")
+                    first.append(f"{kind.replace('_', ' ')}: record {expected} read as {got} ({len(rec)} bytes)")
                 expected = max(expected, got) + 1
             if one_at_a_time:  # the reaper's and the tower's way, then everyone else's
                 for _ in recs:
@@ -183,13 +184,22 @@ def run(seconds: float, prefix: str = PREFIX) -> dict:
         ring.close()
         shm.Segment.create(shm.object_name(prefix, lock.run_id, "arena"), SLOTS * SLOT).close()
         (c_in, c_out), (p_in, p_out) = ctx.Pipe(False), ctx.Pipe(False)
-        procs = [ctx.Process(target=_child, args=(_consume, "consumer", c_out, prefix, lock.run_id)),
-                 ctx.Process(target=_child, args=(_produce, "producer", p_out, prefix, lock.run_id, seconds))]
+        procs = [
+            ctx.Process(target=_child, args=(_consume, "consumer", c_out, prefix, lock.run_id)),
+            ctx.Process(target=_child, args=(_produce, "producer", p_out, prefix, lock.run_id, seconds)),
+        ]
         for p in procs:
             p.start()
         wait = seconds + 2 * STALL_S + 30
-        out = {"architecture": arch, "seconds": seconds, "failed": None, "records": 0, "laps": 0,
-               "first": [], **dict.fromkeys(KINDS, 0)}
+        out: dict[str, Any] = {
+            "architecture": arch,
+            "seconds": seconds,
+            "failed": None,
+            "records": 0,
+            "laps": 0,
+            "first": [],
+            **dict.fromkeys(KINDS, 0),
+        }
         for who, conn, proc in (("producer", p_in, procs[1]), ("consumer", c_in, procs[0])):
             msg = _report(conn, proc, who, wait)
             if msg[0] == "failed":
@@ -215,8 +225,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=50.0, help="how long to hammer the ring (default 50)")
     args = ap.parse_args(argv)
     out = run(args.seconds)
-    print(f"litmus on {out['architecture']}: {out['records']:,} records and arena slots checked in "
-          f"{out['seconds']:g} s, {out['laps']:,} laps of a {CAPACITY:,}-byte ring")
+    print(
+        f"litmus on {out['architecture']}: {out['records']:,} records and arena slots checked in "
+        f"{out['seconds']:g} s, {out['laps']:,} laps of a {CAPACITY:,}-byte ring"
+    )
     print("  " + ", ".join(f"{k.replace('_', ' ')} {out[k]}" for k in KINDS))
     for line in out["first"]:
         print(f"  {line}")

@@ -18,6 +18,7 @@ a table of 3 x 256 floats computed with the processor's own arithmetic: the patc
 the table looked up, which is exact, and far cheaper than the float64 image the
 processor makes.
 """
+
 from __future__ import annotations
 
 import io
@@ -51,6 +52,7 @@ class ImageSettings:
     backend: Pillow's resize) or "torchvision" (its torchvision backend, which
     transformers gives vLLM where torchvision is installed: torch's resize,
     ipc/media_torch.py)."""
+
     patch: int = 14
     merge: int = 2
     temporal_patch: int = 2
@@ -68,15 +70,28 @@ class ImageSettings:
 
     def key(self) -> bytes:
         """What of the settings changes the pixels, for the cache key of compressed bytes."""
-        return repr((self.patch, self.merge, self.temporal_patch, self.min_pixels, self.max_pixels,
-                     self.mean, self.std, self.rescale, self.backend)).encode()
+        return repr(
+            (
+                self.patch,
+                self.merge,
+                self.temporal_patch,
+                self.min_pixels,
+                self.max_pixels,
+                self.mean,
+                self.std,
+                self.rescale,
+                self.backend,
+            )
+        ).encode()
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Qwen's smart resize (transformers' qwen2_vl smart_resize, the same arithmetic)."""
     if max(height, width) / min(height, width) > MAX_ASPECT:
-        raise MediaError(f"absolute aspect ratio must be at most {MAX_ASPECT}, got "
-                         f"{max(height, width) / min(height, width):.1f} ({width}x{height})")
+        raise MediaError(
+            f"absolute aspect ratio must be at most {MAX_ASPECT}, got "
+            f"{max(height, width) / min(height, width):.1f} ({width}x{height})"
+        )
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
@@ -118,8 +133,10 @@ def _oriented_size(image) -> tuple[int, int]:
 
 def _grid(width: int, height: int, s: ImageSettings) -> tuple[int, int, int, int]:
     if width * height > s.max_decoded_pixels:
-        raise MediaError(f"image is {width}x{height} = {width * height} pixels decoded; this worker "
-                         f"decodes at most {s.max_decoded_pixels} per image (max_decoded_pixels)")
+        raise MediaError(
+            f"image is {width}x{height} = {width * height} pixels decoded; this worker "
+            f"decodes at most {s.max_decoded_pixels} per image (max_decoded_pixels)"
+        )
     rh, rw = smart_resize(height, width, s.patch * s.merge, s.min_pixels, s.max_pixels)
     return rh, rw, rh // s.patch, rw // s.patch
 
@@ -173,8 +190,9 @@ def _table(s: ImageSettings) -> np.ndarray:
     return t
 
 
-def preprocess(data: bytes, fmt: str, settings: ImageSettings, out: np.ndarray | None = None
-               ) -> tuple[np.ndarray, tuple[int, int, int]]:
+def preprocess(
+    data: bytes, fmt: str, settings: ImageSettings, out: np.ndarray | None = None
+) -> tuple[np.ndarray, tuple[int, int, int]]:
     """pixel_values [gh * gw, patch_dim] float32 and grid_thw (1, gh, gw) of one image.
 
     `out`, if given, is where the patches go (a float32 view of that shape, say an
@@ -198,8 +216,9 @@ def preprocess(data: bytes, fmt: str, settings: ImageSettings, out: np.ndarray |
     n = gh * gw
     # (H, W, C) -> (gh/m, gw/m, m, m, C, p, p): the processor's patch order, gathered as
     # uint8 (a quarter of the bytes of the floats it becomes).
-    u8 = np.ascontiguousarray(
-        resized.reshape(gh // m, m, p, gw // m, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5)).reshape(n, 3, p * p)
+    u8 = np.ascontiguousarray(resized.reshape(gh // m, m, p, gw // m, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5)).reshape(
+        n, 3, p * p
+    )
     if out is None:
         out = np.empty((n, s.patch_dim), dtype=np.float32)
     elif out.shape != (n, s.patch_dim) or out.dtype != np.float32:

@@ -7,6 +7,7 @@ kernel on CPU; the processor then casts to float32 and normalises with mean and 
 scaled by 1 / rescale_factor (its fused rescale and normalise). Torch is imported
 only when this backend is chosen: the PIL backend's process never loads it.
 """
+
 from __future__ import annotations
 
 import numpy as np

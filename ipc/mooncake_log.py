@@ -5,6 +5,7 @@ The library reads MC_LOG_LEVEL once, when it is loaded (``set_level_before_loadi
 after that glog's FLAGS_minloglevel in the libglog it loaded is set directly, where it
 can be found: quiet while an engine or a client is set up (``quiet_setup``), then the
 level that follows this module's Python log level."""
+
 from __future__ import annotations
 
 import contextlib

@@ -28,6 +28,7 @@ runs without its barriers.
 refuses a CPU for which these barriers have not been reasoned through
 (``python -m ipc.litmus`` then checks a host).
 """
+
 from __future__ import annotations
 
 import platform

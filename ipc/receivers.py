@@ -31,6 +31,7 @@ written into before its predecessor is freed. The writer frees a registration th
 expired or gave way to a new one (``remove``); which one goes is the writer's choice
 (stages/sender.py), not the table's.
 """
+
 from __future__ import annotations
 
 import struct
@@ -82,7 +83,9 @@ class ReceiverTable(SlotTable):
     CAPACITY = (2, 2**16)
 
     @classmethod
-    def create(cls, prefix: str, run_id: str, what: str, capacity: int = MAX_RECEIVERS + 1) -> "ReceiverTable":
+    def create(  # type: ignore[override]  # a default capacity (shared_table.py)
+        cls, prefix: str, run_id: str, what: str, capacity: int = MAX_RECEIVERS + 1
+    ) -> "ReceiverTable":
         return super().create(prefix, run_id, what, capacity)
 
     @classmethod
@@ -92,7 +95,7 @@ class ReceiverTable(SlotTable):
     def __init__(self, seg: shm.Segment):
         super().__init__(seg)
         at = self.layout(self.capacity)["generations"]
-        self._genv = seg.buf[at:at + 8 * self.capacity].cast("Q")
+        self._genv = seg.buf[at : at + 8 * self.capacity].cast("Q")
         # The writer's view, built by load(): receiver -> slot, and slots to free.
         self._slot_of: dict[str, int] | None = None
         self._stale: list[int] = []
@@ -102,7 +105,7 @@ class ReceiverTable(SlotTable):
         """Every registration: receiver -> (session, status endpoint, key). A writer calls it
         first: it frees what a predecessor killed mid-replacement left twice, and rows
         whose checksum does not agree."""
-        newest: dict[str, tuple[int, int, tuple[str, str]]] = {}
+        newest: dict[str, tuple[int, int, tuple[str, str, str]]] = {}
         stale = []
         for slot in np.flatnonzero(self.generations.copy()).tolist():  # a copy: the writer may change it meanwhile
             got = self._read(slot)
@@ -123,18 +126,17 @@ class ReceiverTable(SlotTable):
         self._next_gen = self.next_generation()
         return {r: reg for r, (_, _, reg) in newest.items()}
 
-    def _read(self, slot: int):
+    def _read(self, slot: int) -> tuple[int, str, tuple[str, str, str]] | None:
         """(generation, receiver, (session, status, key)) of a published slot; None if free."""
         off = self.slots_at + slot * _SLOT
         for _ in range(_READ_SPINS):
             gen = self._genv[slot]
             if not gen:
                 return None
-            raw = self.buf[off:off + _ROW.size].tobytes()
+            raw = self.buf[off : off + _ROW.size].tobytes()
             if self._genv[slot] == gen and _crc(gen, memoryview(raw)[4:]) == int.from_bytes(raw[:4], "little"):
                 _, n_rx, n_sess, n_st, rx, sess, st, key = _ROW.unpack(raw)
-                return gen, rx[:n_rx].decode(), (sess[:n_sess].decode(), st[:n_st].decode(),
-                                                 key.rstrip(b"\0").decode())
+                return gen, rx[:n_rx].decode(), (sess[:n_sess].decode(), st[:n_st].decode(), key.rstrip(b"\0").decode())
         return None  # reused under us again and again, or damaged: not there, as far as this read knows
 
     def registrations(self) -> dict[str, Register]:
@@ -145,11 +147,11 @@ class ReceiverTable(SlotTable):
             out[receiver] = Register(receiver, session, status, int(number) if number else None, key)
         return out
 
-    def put(self, receiver: str, session: str, status: str, incarnation: int | None = None,
-            key: str = "") -> None:
+    def put(self, receiver: str, session: str, status: str, incarnation: int | None = None, key: str = "") -> None:
         """Record (or replace) a registration; TableFull when no slot is free. Writer only."""
         if self._slot_of is None:
             self.load()
+        assert self._slot_of is not None  # load() made it
         if incarnation is not None:  # (protocol 1.1) kept in the session's field, after a NUL
             session = f"{session}{_INCARNATION}{incarnation}"
         new = registration_row(self._next_gen, receiver, session, status, key)
@@ -162,7 +164,7 @@ class ReceiverTable(SlotTable):
             raise TableFull(f"receiver table {self.segment.name!r} is full: {self.capacity} slots")
         slot = int(free[0])
         off = self.slots_at + slot * _SLOT
-        self.buf[off:off + _ROW.size] = new
+        self.buf[off : off + _ROW.size] = new
         if _fault_hook is not None:
             _fault_hook("receivers.body")
         self._genv[slot] = self._next_gen  # publish: one aligned 8-byte store
@@ -178,6 +180,7 @@ class ReceiverTable(SlotTable):
         Writer only. One aligned store: a reader sees the registration whole, or not at all."""
         if self._slot_of is None:
             self.load()
+        assert self._slot_of is not None  # load() made it
         slot = self._slot_of.pop(receiver, None)
         if slot is None:
             return False

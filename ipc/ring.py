@@ -52,6 +52,7 @@ Sleeping.  A consumer with nothing to read, or a producer without room, sleeps o
 a semaphore until the other side moves its index: the handshake is ipc.sleepers'.
 Each side's waiting flag and sleep count are in its own line.
 """
+
 from __future__ import annotations
 
 import os
@@ -62,8 +63,19 @@ from itertools import accumulate
 import posix_ipc
 
 from ipc import shm
-from ipc.framing import RECORD_HEADER, RECORD_TAG, as_bytes_like, frame, header_of, length_at, \
-    pack_header, read_at, unframe, unpack_u32, write_at
+from ipc.framing import (
+    RECORD_HEADER,
+    RECORD_TAG,
+    as_bytes_like,
+    frame,
+    header_of,
+    length_at,
+    pack_header,
+    read_at,
+    unframe,
+    unpack_u32,
+    write_at,
+)
 from ipc.ordering import Words, check_cpu
 from ipc.sleepers import sleep_until, wake
 from ipc.sleepers import wait_any as _wait_any
@@ -120,7 +132,7 @@ class Ring:
     def __init__(self, seg: shm.Segment, data_sem, space_sem, names, shared_doorbell: bool = False):
         self.name, self.data_sem_name, self.space_sem_name = names
         self.shared_doorbell = shared_doorbell
-        self._seg = seg
+        self._seg: shm.Segment | None = seg  # None once closed
         self._data_sem = data_sem
         self._space_sem = space_sem
         q = seg.buf[:DATA_OFFSET].cast("Q")
@@ -142,15 +154,13 @@ class Ring:
         ):
             words.release()
             q.release()
-            raise RingError(
-                f"ring {seg.name!r} is inconsistent: {seg.size} bytes for capacity {self.capacity}"
-            )
+            raise RingError(f"ring {seg.name!r} is inconsistent: {seg.size} bytes for capacity {self.capacity}")
         self._q = q
         # head and tail, the words the other side reads, go through these (ipc.ordering)
         self._words = words
         self._load_acquire = words.load_acquire
         self._store_release = words.store_release
-        self._data = seg.buf[DATA_OFFSET:DATA_OFFSET + self.capacity]
+        self._data = seg.buf[DATA_OFFSET : DATA_OFFSET + self.capacity]
         # The waiting-flag value each side last posted for (at most one post per sleep).
         self._data_posted_for = 0
         self._space_posted_for = 0
@@ -164,8 +174,7 @@ class Ring:
 
     # --- creation ---------------------------------------------------------------
     @classmethod
-    def create(cls, prefix: str, run_id: str, what: str, capacity: int,
-               doorbell: str | None = None) -> "Ring":
+    def create(cls, prefix: str, run_id: str, what: str, capacity: int, doorbell: str | None = None) -> "Ring":
         """Create the segment (``capacity`` data bytes, reserved up front) and both
         semaphores.  Fails if any of them exists.
 
@@ -175,9 +184,7 @@ class Ring:
         check_cpu()
         capacity = int(capacity)
         if not MIN_CAPACITY <= capacity <= MAX_CAPACITY:
-            raise ValueError(
-                f"ring capacity {capacity} must be between {MIN_CAPACITY} and {MAX_CAPACITY} bytes"
-            )
+            raise ValueError(f"ring capacity {capacity} must be between {MIN_CAPACITY} and {MAX_CAPACITY} bytes")
         names = _names(prefix, run_id, what, doorbell)
         seg = shm.Segment.create(names[0], DATA_OFFSET + capacity)
         sems, created = [], []
@@ -283,9 +290,7 @@ class Ring:
 
     def _corrupt(self, at: int, what: str) -> RingError:
         q = self._q
-        return RingError(
-            f"ring {self.name!r} is corrupt at index {at} (tail {q[_TAIL]}, head {q[_HEAD]}): {what}"
-        )
+        return RingError(f"ring {self.name!r} is corrupt at index {at} (tail {q[_TAIL]}, head {q[_HEAD]}): {what}")
 
     # --- producer side ----------------------------------------------------------
     def _too_large(self, n: int, where: str = "") -> RecordTooLarge:
@@ -313,8 +318,9 @@ class Ring:
     def _wait_space(self, need: int, timeout: float | None) -> bool:
         """Wait until ``need`` bytes are free; False on timeout."""
         q, cap, tail = self._q, self.capacity, self._load_acquire
-        return sleep_until(q, lambda: cap - (q[_HEAD] - tail(_TAIL)) >= need, timeout,
-                           _PWAIT, _PSLEEPS, self._space_sem)
+        return sleep_until(
+            q, lambda: cap - (q[_HEAD] - tail(_TAIL)) >= need, timeout, _PWAIT, _PSLEEPS, self._space_sem
+        )
 
     def push(self, record, timeout: float | None = 0.0) -> bool:
         """Append one record; False if it did not fit within ``timeout`` seconds (0:
@@ -444,7 +450,7 @@ class Ring:
         tail = self._q[_TAIL]
         if self._rd_at == tail:
             i = self._rd_i
-            out = self._rd_recs[i:i + max_records]
+            out = self._rd_recs[i : i + max_records]
             end = tail + RECORD_HEADER * len(out) + sum(map(len, out))
         else:
             # an acquire load: the records' bytes are read after it, so they are the ones
@@ -508,8 +514,7 @@ class Ring:
         head = self._load_acquire(_HEAD)  # the headers counted below were stored before it
         if not tail < end <= head:
             raise RingError(
-                f"release({end}) on ring {self.name!r} is outside the unconsumed range "
-                f"(tail {tail}, head {head})"
+                f"release({end}) on ring {self.name!r} is outside the unconsumed range (tail {tail}, head {head})"
             )
         pk = self._peeked
         if pk is not None and pk[0] == tail and pk[1] == end:
@@ -582,10 +587,7 @@ class Ring:
     def __repr__(self) -> str:
         if self._seg is None:
             return f"<Ring {self.name!r} closed>"
-        return (
-            f"<Ring {self.name!r} capacity={self.capacity} head={self.head} "
-            f"tail={self.tail} depth={self.depth()}>"
-        )
+        return f"<Ring {self.name!r} capacity={self.capacity} head={self.head} tail={self.tail} depth={self.depth()}>"
 
 
 def wait_any(rings: list, doorbell, timeout: float) -> bool:

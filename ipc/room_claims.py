@@ -12,9 +12,12 @@ and another inserted into the slot meanwhile voids the claim (a store the CPU st
 buffers past that check could in principle outlive it; its only effect is that the
 owner's death would fail the new room too).
 """
+
 from __future__ import annotations
 
 import functools
+import mmap
+from typing import cast
 
 import numpy as np
 
@@ -40,17 +43,18 @@ class RoomClaims:
 
     def __init__(self, buf: memoryview, rooms_at: int, on_at: int, capacity: int):
         n = MAX_OWNERS * capacity
-        self._roomv = buf[rooms_at:rooms_at + 8 * n].cast("Q")
-        self._onv = buf[on_at:on_at + n]
-        self._mm, self._on_at = buf.obj, on_at
-        self._rooms = np.frombuffer(buf.obj, np.uint64, n, rooms_at).reshape(capacity, MAX_OWNERS)
-        self._on = np.frombuffer(buf.obj, np.uint8, n, on_at).reshape(capacity, MAX_OWNERS)
+        self._roomv = buf[rooms_at : rooms_at + 8 * n].cast("Q")
+        self._onv = buf[on_at : on_at + n]
+        mm = cast(mmap.mmap, buf.obj)  # a table's buf views its segment's whole mapping
+        self._mm, self._on_at = mm, on_at
+        self._rooms = np.frombuffer(mm, np.uint64, n, rooms_at).reshape(capacity, MAX_OWNERS)
+        self._on = np.frombuffer(mm, np.uint8, n, on_at).reshape(capacity, MAX_OWNERS)
 
     def holders(self, slot: int, room: int) -> int:
         """The custody bits of the owners whose claim on ``slot`` is for ``room``."""
         base = slot * MAX_OWNERS
         at = self._on_at + base
-        on = self._mm[at:at + MAX_OWNERS]  # bytes: the usual answer (no claim) in one compare
+        on = self._mm[at : at + MAX_OWNERS]  # bytes: the usual answer (no claim) in one compare
         if on == _NO_CLAIMS:
             return 0
         bits, rooms = 0, self._roomv
@@ -64,7 +68,7 @@ class RoomClaims:
     def reset(self, slot: int, room: int, bits: int) -> None:
         """The table's lock held, slot FREE: the new room's claims are ``bits``, every other void."""
         base = slot * MAX_OWNERS
-        self._onv[base:base + MAX_OWNERS] = _NO_CLAIMS
+        self._onv[base : base + MAX_OWNERS] = _NO_CLAIMS
         for o in owners(bits):
             self._roomv[base + o] = room
             self._onv[base + o] = 1
@@ -102,4 +106,4 @@ class RoomClaims:
     def close(self) -> None:
         self._roomv.release()
         self._onv.release()
-        self._rooms = self._on = self._mm = None
+        self._rooms = self._on = self._mm = None  # type: ignore[assignment]  # a use after close fails

@@ -1,4 +1,5 @@
 """What the room table answers: a room's state, its entry, and the table's one refusal."""
+
 from __future__ import annotations
 
 import enum

@@ -14,7 +14,11 @@ after; one killed in between leaves it odd, and the next writer rebuilds the ind
 from the records. A lock-free reader retries when the word moved under it, and
 scans the table's columns while it is odd.
 """
+
 from __future__ import annotations
+
+import mmap
+from typing import cast
 
 import numpy as np
 
@@ -39,8 +43,8 @@ class RoomIndex:
     def __init__(self, buf: memoryview, offset: int, capacity: int, header: memoryview, seq_word: int, room_at):
         n = self.entries(capacity)
         self.capacity = capacity
-        self._words = buf[offset:offset + 4 * n].cast("I")
-        self._array = np.frombuffer(buf.obj, np.uint32, n, offset)
+        self._words = buf[offset : offset + 4 * n].cast("I")
+        self._array = np.frombuffer(cast(mmap.mmap, buf.obj), np.uint32, n, offset)
         self._mask, self._shift = n - 1, 64 - (n.bit_length() - 1)
         self._header, self._seq_word = header, seq_word
         self._room_at = room_at
@@ -130,4 +134,4 @@ class RoomIndex:
 
     def close(self) -> None:
         self._words.release()
-        self._array = None
+        self._array = None  # type: ignore[assignment]  # a use after close fails

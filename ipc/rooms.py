@@ -6,19 +6,9 @@ holds it for a few microseconds; a flock pair costs less here than a per-entry
 ``lockf`` byte range, and one lock lets ``insert`` check for a duplicate room and
 claim a FREE slot atomically.
 
-Torn updates. Each entry has a u32 sequence number and two copies of its
-record; copy ``seq & 1`` is the active one. A writer (lock held) writes the whole
-new record into the *inactive* copy, body first and its crc32 last, and only then
-publishes it with one aligned 4-byte store of ``seq + 1``. So:
-
-* a writer killed at any point leaves ``seq`` unchanged and the active copy
-  untouched: the update simply did not happen;
-* a reader reads ``seq``, the active copy, then ``seq`` again: if it changed, a
-  writer published meanwhile and the reader retries; if not, no writer can have
-  touched that copy (it writes only the other one until it publishes), so the
-  copy is whole. Its crc32 (and its stored sequence number) are checked besides;
-  a mismatch with a stable ``seq`` is damage, not a race, and the entry is
-  repaired under the lock: a live room whose record is lost is concluded FAILED.
+Torn updates: each entry is a pair of records published by a sequence number
+(ipc/room_record.py), so a writer killed at any point leaves the update undone and a
+reader never takes a half-written record.
 
 Records carry ``time.monotonic()`` stamps (system-wide on Linux, so comparable
 across processes). Contiguous columns hold each copy's room and state, written
@@ -38,12 +28,14 @@ and ``reason`` (256) are cut with '…' when longer. ``keys`` are the tags
 (``wire.key_tag``) of the CurveZMQ keys the room belongs to, gateway's first; all 0
 without CURVE (stages/ownership.py says what they allow).
 """
+
 from __future__ import annotations
 
-import struct
 import time
 import zlib
+from collections.abc import Sequence
 from operator import index as _index
+from typing import Any
 
 import numpy as np
 
@@ -51,6 +43,8 @@ from . import shm
 from .room_claims import MAX_OWNERS, RoomClaims
 from .room_entry import RoomEntry, RoomState, TableFull
 from .room_index import RoomIndex
+from .room_record import BODY, CONCLUDED, CREATED, DEADLINE, DONE, FREE_FIELDS, KEYS, REASON, REASON_BYTES, REASONLEN
+from .room_record import RECORD_BYTES, REQUEST_ID_BYTES, RID, RIDLEN, ROOM, ROOM_KEYS, STATE, TOTAL, cut, verify
 from .segment_lock import SegmentLock
 from .shared_table import SharedTable, lay_out
 
@@ -58,12 +52,6 @@ __all__ = ["RoomEntry", "RoomState", "RoomTable", "TableFull"]
 
 _FINAL = (RoomState.SUCCESS, RoomState.FAILED)
 
-REQUEST_ID_BYTES = 128
-REASON_BYTES = 256
-# record: crc32 over the rest, then the body
-ROOM_KEYS = 8  # the opening gateway's key and up to seven receivers' (wire.MAX_ROOM_RECEIVERS)
-_BODY = struct.Struct(f"<IQBBHIIddd{REQUEST_ID_BYTES}s{REASON_BYTES}s{ROOM_KEYS}Q")
-_REC = 4 + _BODY.size
 # header words (u64) after the magic, the capacity and the size
 _H_REPAIRS, _H_INDEX_SEQ, _H_CURSOR = 3, 4, 5
 _FREE_CHUNK = 1024  # slots whose states one step of the FREE-slot search reads
@@ -71,31 +59,28 @@ _FREE_CHUNK = 1024  # slots whose states one step of the FREE-slot search reads
 
 def _layout(capacity: int) -> dict[str, int]:
     """Segment layout: header, seq u32[cap], columns room u64 / state u8 [cap, 2], records
-    [cap, 2] of _REC bytes, custody claims, room index, progress u8[cap]."""
-    return lay_out((("seq", 4 * capacity), ("room", 16 * capacity), ("state", 2 * capacity),
-                    ("rec", 2 * _REC * capacity), *RoomClaims.columns(capacity),
-                    ("index", 4 * RoomIndex.entries(capacity)), ("progress", capacity)))
+    [cap, 2] (ipc/room_record.py), custody claims, room index, progress u8[cap]."""
+    return lay_out(
+        (
+            ("seq", 4 * capacity),
+            ("room", 16 * capacity),
+            ("state", 2 * capacity),
+            ("rec", 2 * RECORD_BYTES * capacity),
+            *RoomClaims.columns(capacity),
+            ("index", 4 * RoomIndex.entries(capacity)),
+            ("progress", capacity),
+        )
+    )
 
 
-# body field indices (after ver)
-_ROOM, _STATE, _RIDLEN, _REASONLEN, _TOTAL, _DONE, _DEADLINE, _CREATED, _CONCLUDED, _RID, _REASON = range(11)
-_KEYS = slice(11, 11 + ROOM_KEYS)
 _U64 = (0, 2**64 - 1)
 _U32_MAX = 2**32 - 1
-_FREE_FIELDS = (0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0, b"", b"") + (0,) * ROOM_KEYS
 _READ_SPINS = 64
 _STATES = tuple(RoomState)
 _new_entry = object.__new__
 
 # Test hook: called with a point name inside a write (tests SIGKILL the process there).
 _fault_hook = None
-
-
-def _cut(text: str, limit: int) -> bytes:
-    b = text.encode("utf-8")
-    if len(b) <= limit:
-        return b
-    return b[:limit - 3].decode("utf-8", "ignore").encode("utf-8") + "…".encode("utf-8")
 
 
 def _slots(copy_mask: np.ndarray) -> list[int]:
@@ -118,6 +103,7 @@ class RoomTable(SharedTable):
 
     MAGIC = 0x6D6F_6F72_0000_0005  # "room", layout 5
     KIND = "room table"
+    capacity: int  # the geometry (SharedTable.__init__ sets it from the header)
 
     @classmethod
     def segment_size(cls, capacity: int) -> int:
@@ -129,31 +115,31 @@ class RoomTable(SharedTable):
     def format(cls, buf: memoryview, capacity: int) -> None:
         """Zeroed by posix_fallocate: seq 0, columns FREE. Records: both copies FREE and
         valid (copy 1 as the version before seq 0)."""
-        pair = bytearray(2 * _REC)
+        pair = bytearray(2 * RECORD_BYTES)
         for copy, ver in ((0, 0), (1, _U32_MAX)):
-            body = _BODY.pack(ver, *_FREE_FIELDS)
-            pair[copy * _REC:copy * _REC + 4] = zlib.crc32(body).to_bytes(4, "little")
-            pair[copy * _REC + 4:(copy + 1) * _REC] = body
+            body = BODY.pack(ver, *FREE_FIELDS)
+            pair[copy * RECORD_BYTES : copy * RECORD_BYTES + 4] = zlib.crc32(body).to_bytes(4, "little")
+            pair[copy * RECORD_BYTES + 4 : (copy + 1) * RECORD_BYTES] = body
         at = _layout(capacity)["rec"]
-        buf[at:at + 2 * _REC * capacity] = bytes(pair) * capacity
+        buf[at : at + 2 * RECORD_BYTES * capacity] = bytes(pair) * capacity
 
     def __init__(self, seg: shm.Segment):
         super().__init__(seg)
         cap = self.capacity
         lay = _layout(cap)
         mv = self._mv = seg.buf
-        mm = seg.buf.obj
-        self._hdr = mv[:lay["seq"]].cast("Q")
-        self._seqv = mv[lay["seq"]:lay["seq"] + 4 * cap].cast("I")
-        self._roomv = mv[lay["room"]:lay["room"] + 16 * cap].cast("Q")
-        self._statev = mv[lay["state"]:lay["state"] + 2 * cap]
+        mm = seg.mapped
+        self._hdr = mv[: lay["seq"]].cast("Q")
+        self._seqv = mv[lay["seq"] : lay["seq"] + 4 * cap].cast("I")
+        self._roomv = mv[lay["room"] : lay["room"] + 16 * cap].cast("Q")
+        self._statev = mv[lay["state"] : lay["state"] + 2 * cap]
         self._rec0 = lay["rec"]
         self._seq = np.frombuffer(mm, np.uint32, cap, lay["seq"])
         self._rooms = np.frombuffer(mm, np.uint64, 2 * cap, lay["room"]).reshape(cap, 2)
         self._states = np.frombuffer(mm, np.uint8, 2 * cap, lay["state"]).reshape(cap, 2)
         self._claims = RoomClaims(mv, lay["claim_room"], lay["claim_on"], cap)
         self._room_index = RoomIndex(mv, lay["index"], cap, self._hdr, _H_INDEX_SEQ, self._active_room)
-        self._progv = mv[lay["progress"]:lay["progress"] + cap]
+        self._progv = mv[lay["progress"] : lay["progress"] + cap]
         self._lock = SegmentLock(seg)
 
     # -- raw records ---------------------------------------------------------
@@ -166,48 +152,38 @@ class RoomTable(SharedTable):
 
     def _load(self, slot: int):
         """(seq, body fields or None if damaged); lock-free, retries past writers."""
-        base = self._rec0 + slot * 2 * _REC
+        base = self._rec0 + slot * 2 * RECORD_BYTES
         seqv, mv = self._seqv, self._mv
         for _ in range(_READ_SPINS):
             s = seqv[slot]
-            off = base + (s & 1) * _REC
-            raw = mv[off:off + _REC].tobytes()
+            off = base + (s & 1) * RECORD_BYTES
+            raw = mv[off : off + RECORD_BYTES].tobytes()
             if seqv[slot] == s:
-                return s, self._verify(raw, s)
+                return s, verify(raw, s)
         # Writers kept publishing under us: read under their lock.
         with self._lock:
             return self._load_locked(slot)
 
     def _load_locked(self, slot: int):
         s = self._seqv[slot]
-        off = self._rec0 + slot * 2 * _REC + (s & 1) * _REC
-        return s, self._verify(self._mv[off:off + _REC].tobytes(), s)
-
-    @staticmethod
-    def _verify(raw: bytes, seq: int):
-        if zlib.crc32(memoryview(raw)[4:]) != int.from_bytes(raw[:4], "little"):
-            return None
-        f = _BODY.unpack_from(raw, 4)
-        if f[0] != seq or f[1 + _STATE] > RoomState.FAILED or f[1 + _RIDLEN] > REQUEST_ID_BYTES \
-                or f[1 + _REASONLEN] > REASON_BYTES:
-            return None
-        return f[1:]
+        off = self._rec0 + slot * 2 * RECORD_BYTES + (s & 1) * RECORD_BYTES
+        return s, verify(self._mv[off : off + RECORD_BYTES].tobytes(), s)
 
     def _store(self, slot: int, seq: int, fields) -> None:
         """Lock held: write ``fields`` into the inactive copy, then publish it."""
         new = (seq + 1) & _U32_MAX
         c = 2 * slot + (new & 1)
-        off = self._rec0 + c * _REC
-        body = _BODY.pack(new, *fields)
+        off = self._rec0 + c * RECORD_BYTES
+        body = BODY.pack(new, *fields)
         mv = self._mv
         # The inactive copy's index columns first (hints, verified against records) ...
-        self._roomv[c] = fields[_ROOM]
-        self._statev[c] = fields[_STATE]
+        self._roomv[c] = fields[ROOM]
+        self._statev[c] = fields[STATE]
         # ... then its record, body before crc ...
-        mv[off + 4:off + _REC] = body
+        mv[off + 4 : off + RECORD_BYTES] = body
         if _fault_hook is not None:
             _fault_hook("rooms.body")
-        mv[off:off + 4] = zlib.crc32(body).to_bytes(4, "little")
+        mv[off : off + 4] = zlib.crc32(body).to_bytes(4, "little")
         if _fault_hook is not None:
             _fault_hook("rooms.crc")
         self._seqv[slot] = new  # ... and publish: one aligned 4-byte store
@@ -221,18 +197,19 @@ class RoomTable(SharedTable):
 
     def _repair(self, slot: int, seq: int):
         """Lock held, active copy damaged: salvage the other copy or conclude the entry."""
-        off = self._rec0 + (2 * slot + ((seq & 1) ^ 1)) * _REC
-        raw = self._mv[off:off + _REC].tobytes()
-        other = self._verify(raw, _BODY.unpack_from(raw, 4)[0])
+        off = self._rec0 + (2 * slot + ((seq & 1) ^ 1)) * RECORD_BYTES
+        raw = self._mv[off : off + RECORD_BYTES].tobytes()
+        other = verify(raw, BODY.unpack_from(raw, 4)[0])
+        fields: tuple[Any, ...]
         if other is None:
-            fields = _FREE_FIELDS
+            fields = FREE_FIELDS
         else:
-            fields = list(other)
-            if 0 < fields[_STATE] < RoomState.SUCCESS:
-                reason = _cut("room table entry was damaged; concluded by repair", REASON_BYTES)
-                fields[_STATE], fields[_CONCLUDED] = int(RoomState.FAILED), time.monotonic()
-                fields[_REASON], fields[_REASONLEN] = reason, len(reason)
-            fields = tuple(fields)
+            salvaged = list(other)
+            if 0 < salvaged[STATE] < RoomState.SUCCESS:
+                reason = cut("room table entry was damaged; concluded by repair", REASON_BYTES)
+                salvaged[STATE], salvaged[CONCLUDED] = int(RoomState.FAILED), time.monotonic()
+                salvaged[REASON], salvaged[REASONLEN] = reason, len(reason)
+            fields = tuple(salvaged)
         self._store(slot, seq, fields)
         self._hdr[_H_REPAIRS] += 1
         return (seq + 1) & _U32_MAX, fields
@@ -241,12 +218,18 @@ class RoomTable(SharedTable):
         # Filled through __dict__: a frozen dataclass's __init__ costs several times as much.
         e = _new_entry(RoomEntry)
         e.__dict__.update(
-            slot=slot, room=f[_ROOM], request_id=f[_RID][:f[_RIDLEN]].decode("utf-8", "replace"),
-            state=_STATES[max(f[_STATE], self._progv[slot]) if f[_STATE] < RoomState.SUCCESS else f[_STATE]],
-            holders=self._claims.holders(slot, f[_ROOM]), items_total=f[_TOTAL],
-            items_done=f[_DONE],
-            reason=f[_REASON][:f[_REASONLEN]].decode("utf-8", "replace"),
-            deadline=f[_DEADLINE], created=f[_CREATED], concluded=f[_CONCLUDED], keys=tuple(f[_KEYS]),
+            slot=slot,
+            room=f[ROOM],
+            request_id=f[RID][: f[RIDLEN]].decode("utf-8", "replace"),
+            state=_STATES[max(f[STATE], self._progv[slot]) if f[STATE] < RoomState.SUCCESS else f[STATE]],
+            holders=self._claims.holders(slot, f[ROOM]),
+            items_total=f[TOTAL],
+            items_done=f[DONE],
+            reason=f[REASON][: f[REASONLEN]].decode("utf-8", "replace"),
+            deadline=f[DEADLINE],
+            created=f[CREATED],
+            concluded=f[CONCLUDED],
+            keys=tuple(f[KEYS]),
         )
         return e
 
@@ -255,7 +238,7 @@ class RoomTable(SharedTable):
         slot = self._slot_index(slot)
         with self._lock:
             s, f = self._current(slot)
-            if f[_STATE] == RoomState.FREE or f[_ROOM] != room:
+            if f[STATE] == RoomState.FREE or f[ROOM] != room:
                 return None
             new = change(list(f))
             if isinstance(new, list):
@@ -279,15 +262,15 @@ class RoomTable(SharedTable):
         """Lock held: (room, slot) of every entry not FREE, from the records."""
         for slot in np.flatnonzero(self.active_states() != 0).tolist():
             _, f = self._current(slot)
-            if f[_STATE] != RoomState.FREE:
-                yield f[_ROOM], slot
+            if f[STATE] != RoomState.FREE:
+                yield f[ROOM], slot
 
     def _free_slot(self):
         """Lock held: (slot, seq) of a FREE slot, searched from the cursor; None if none."""
         cap, start = self.capacity, self._hdr[_H_CURSOR] % self.capacity
         if not self._active_room(start)[1]:  # the usual case: the slot after the last insert
             s, f = self._current(start)
-            if f[_STATE] == RoomState.FREE:  # the column is a hint; the record decides
+            if f[STATE] == RoomState.FREE:  # the column is a hint; the record decides
                 return start, s
         for a in list(range(start, cap, _FREE_CHUNK)) + list(range(0, start, _FREE_CHUNK)):
             free = self.active_states(a, min(a + _FREE_CHUNK, cap if a >= start else start)) == 0
@@ -296,7 +279,7 @@ class RoomTable(SharedTable):
                 if not free[i]:
                     break
                 s, f = self._current(a + i)
-                if f[_STATE] == RoomState.FREE:
+                if f[STATE] == RoomState.FREE:
                     return a + i, s
                 free[i] = False
         return None
@@ -310,7 +293,7 @@ class RoomTable(SharedTable):
         if f is None:
             with self._lock:
                 s, f = self._current(slot)
-        if f[_STATE] == RoomState.FREE:
+        if f[STATE] == RoomState.FREE:
             return None
         return self._entry(slot, f)
 
@@ -319,7 +302,7 @@ class RoomTable(SharedTable):
         room = _index(room)
         if not _U64[0] <= room <= _U64[1]:
             return None
-        slots = self._room_index.lookup(room)
+        slots: Sequence[int] | None = self._room_index.lookup(room)
         if slots is None:  # a writer is changing the index (or died doing it): scan
             slots = self._room_candidates(room)
         for slot in slots:
@@ -351,9 +334,17 @@ class RoomTable(SharedTable):
 
     # -- writes ----------------------------------------------------------------
 
-    def insert(self, room: int, request_id: str, items_total: int, holders: int,
-               deadline: float = 0.0, state: RoomState = RoomState.BOOTSTRAPPING,
-               existing_ok: bool = False, keys: tuple[int, ...] = ()) -> int:
+    def insert(
+        self,
+        room: int,
+        request_id: str,
+        items_total: int,
+        holders: int,
+        deadline: float = 0.0,
+        state: RoomState = RoomState.BOOTSTRAPPING,
+        existing_ok: bool = False,
+        keys: tuple[int, ...] = (),
+    ) -> int:
         """Record a new room; return its slot. TableFull when no slot is FREE.
 
         ``keys``: the tags of the keys it belongs to, at most ROOM_KEYS (none without CURVE).
@@ -370,11 +361,23 @@ class RoomTable(SharedTable):
             raise ValueError("a room cannot be inserted FREE")
         if len(keys) > ROOM_KEYS:
             raise ValueError(f"a room belongs to at most {ROOM_KEYS} keys, not {len(keys)}")
-        keys = [_check_range("key tag", k, *_U64) for k in keys] + [0] * (ROOM_KEYS - len(keys))
-        rid = _cut(str(request_id), REQUEST_ID_BYTES)
+        tags = [_check_range("key tag", k, *_U64) for k in keys] + [0] * (ROOM_KEYS - len(keys))
+        rid = cut(str(request_id), REQUEST_ID_BYTES)
         now = time.monotonic()
-        fields = [room, int(state), len(rid), 0, items_total, 0, float(deadline), now,
-                  now if state in _FINAL else 0.0, rid, b"", *keys]
+        fields = [
+            room,
+            int(state),
+            len(rid),
+            0,
+            items_total,
+            0,
+            float(deadline),
+            now,
+            now if state in _FINAL else 0.0,
+            rid,
+            b"",
+            *tags,
+        ]
         with self._lock:
             self._clean_index()
             dup = self._find_locked(room)
@@ -407,7 +410,7 @@ class RoomTable(SharedTable):
         if slot is None:
             return None
         _, f = self._current(slot)
-        return slot if f[_STATE] != RoomState.FREE and f[_ROOM] == room else None
+        return slot if f[STATE] != RoomState.FREE and f[ROOM] == room else None
 
     def advance(self, slot: int, room: int, state: RoomState) -> bool:
         """Move a live room forward to ``state`` (skipping states is fine); False if not forward,
@@ -424,19 +427,23 @@ class RoomTable(SharedTable):
             slot = self._slot_index(slot)
             _, f = self._load(slot)
             if f is not None:  # (a damaged record is repaired by the locked way below)
-                if f[_STATE] == RoomState.FREE or f[_ROOM] != room or f[_STATE] >= RoomState.SUCCESS \
-                        or state <= max(f[_STATE], self._progv[slot]):
+                if (
+                    f[STATE] == RoomState.FREE
+                    or f[ROOM] != room
+                    or f[STATE] >= RoomState.SUCCESS
+                    or state <= max(f[STATE], self._progv[slot])
+                ):
                     return False
                 self._progv[slot] = int(state)
                 return True
 
         def change(f):
-            cur = f[_STATE]
+            cur = f[STATE]
             if cur >= RoomState.SUCCESS or state <= max(cur, self._progv[slot]):
                 return False
-            f[_STATE] = int(state)
+            f[STATE] = int(state)
             if state in _FINAL:
-                f[_CONCLUDED] = time.monotonic()
+                f[CONCLUDED] = time.monotonic()
             return f
 
         return bool(self._update(slot, room, change))
@@ -449,10 +456,10 @@ class RoomTable(SharedTable):
         out = []
 
         def change(f):
-            keys = f[_KEYS]
-            if keys[0] and not keys[1] and tag not in keys and f[_STATE] < RoomState.SUCCESS:
-                f[_KEYS.start + 1] = tag
-            out.append(tuple(f[_KEYS]))
+            keys = f[KEYS]
+            if keys[0] and not keys[1] and tag not in keys and f[STATE] < RoomState.SUCCESS:
+                f[KEYS.start + 1] = tag
+            out.append(tuple(f[KEYS]))
             return f if out[0] != tuple(keys) else True
 
         return out[0] if self._update(slot, room, change) else None
@@ -468,7 +475,7 @@ class RoomTable(SharedTable):
         if f is None:
             e = self.get(slot)  # repairs it under the lock
             return e is not None and e.room == room
-        return f[_STATE] != RoomState.FREE and f[_ROOM] == room
+        return f[STATE] != RoomState.FREE and f[ROOM] == room
 
     def hold(self, slot: int, room: int, bits: int) -> bool:
         """Claim custody ``bits`` of ``room``, even when concluded (no lock: each owner writes
@@ -521,32 +528,32 @@ class RoomTable(SharedTable):
         return self._count_item(slot, room, done_so_far, True)
 
     def _count_item(self, slot: int, room: int, done_so_far: int | None, conclude: bool) -> tuple[int, bool]:
-        out = [-1, False]
+        out: list[Any] = [-1, False]  # (the count, whether this call concluded the room)
 
         def change(f):
-            out[0] = f[_DONE]
-            if f[_STATE] >= RoomState.SUCCESS or f[_DONE] >= _U32_MAX:
+            out[0] = f[DONE]
+            if f[STATE] >= RoomState.SUCCESS or f[DONE] >= _U32_MAX:
                 return False
-            new = out[0] = f[_DONE] + 1 if done_so_far is None else min(max(f[_DONE], done_so_far), _U32_MAX)
-            out[1] = conclude and new >= f[_TOTAL]
-            if new == f[_DONE] and not out[1]:
+            new = out[0] = f[DONE] + 1 if done_so_far is None else min(max(f[DONE], done_so_far), _U32_MAX)
+            out[1] = conclude and new >= f[TOTAL]
+            if new == f[DONE] and not out[1]:
                 return False
-            f[_DONE] = new
+            f[DONE] = new
             if out[1]:
-                f[_STATE], f[_CONCLUDED] = int(RoomState.SUCCESS), time.monotonic()
+                f[STATE], f[CONCLUDED] = int(RoomState.SUCCESS), time.monotonic()
             return f
 
         self._update(slot, room, change)
         return out[0], out[1]
 
     def _conclude(self, slot, room, state: RoomState, reason: str) -> bool:
-        rb = _cut(str(reason), REASON_BYTES)
+        rb = cut(str(reason), REASON_BYTES)
 
         def change(f):
-            if f[_STATE] >= RoomState.SUCCESS:
+            if f[STATE] >= RoomState.SUCCESS:
                 return False
-            f[_STATE], f[_CONCLUDED] = int(state), time.monotonic()
-            f[_REASON], f[_REASONLEN] = rb, len(rb)
+            f[STATE], f[CONCLUDED] = int(state), time.monotonic()
+            f[REASON], f[REASONLEN] = rb, len(rb)
             return f
 
         return bool(self._update(slot, room, change))
@@ -566,13 +573,13 @@ class RoomTable(SharedTable):
         with self._lock:
             self._clean_index()
             s, f = self._current(slot)
-            if f[_STATE] < RoomState.SUCCESS or f[_ROOM] != room:
+            if f[STATE] < RoomState.SUCCESS or f[ROOM] != room:
                 return False
             self._room_index.begin_change()
             self._room_index.remove(room, slot)
             if _fault_hook is not None:
                 _fault_hook("rooms.index")
-            self._store(slot, s, _FREE_FIELDS)
+            self._store(slot, s, FREE_FIELDS)
             self._room_index.end_change()
             return True
 

@@ -1,4 +1,5 @@
 """The lock that the arena's and the room table's writers take on their segment."""
+
 from __future__ import annotations
 
 import fcntl

@@ -45,9 +45,11 @@ A table with a signature of its own (a default capacity, a fixed name) defines
 after its header, each on a cache line. ``SlotTable`` is a SharedTable of slots each
 published by a generation word.
 """
+
 from __future__ import annotations
 
 from operator import index as _index
+from typing import Any, Self
 
 import numpy as np
 
@@ -78,8 +80,15 @@ class SharedTable:
     KIND = "shared table"
     GEOMETRY: tuple[str, ...] = ("capacity",)
 
+    # segment_size and format take each table's own geometry: typed as taking anything, so
+    # that a table's (capacity) or (size, block_size, ...) overrides them.
     @classmethod
-    def format(cls, buf: memoryview, *geometry: int) -> None:
+    def segment_size(cls, *geometry: Any, **_: Any) -> int:
+        """The segment's bytes for ``geometry``; ValueError when out of range (each table says)."""
+        raise NotImplementedError(f"a {cls.KIND} says its segment_size")
+
+    @classmethod
+    def format(cls, buf: memoryview, *geometry: Any, **_: Any) -> None:
         """Content other than zeros, written before the header (a table that needs it says so)."""
 
     @classmethod
@@ -95,7 +104,7 @@ class SharedTable:
         seg = shm.Segment.create(cls.segment_name(prefix, run_id, what), size)
         try:
             cls.format(seg.buf, *geometry)
-            words = seg.buf[:8 * (len(geometry) + 2)].cast("Q")
+            words = seg.buf[: 8 * (len(geometry) + 2)].cast("Q")
             try:
                 for k, value in enumerate(geometry + (size,), 1):
                     words[k] = value
@@ -109,7 +118,7 @@ class SharedTable:
             raise
 
     @classmethod
-    def create(cls, prefix: str, run_id: str, what: str, *geometry: int):
+    def create(cls, prefix: str, run_id: str, what: str, *geometry: int) -> Self:
         seg = cls.create_segment(prefix, run_id, what, *geometry)
         try:
             return cls(seg)
@@ -123,7 +132,7 @@ class SharedTable:
         return shm.Segment.attach(cls.segment_name(prefix, run_id, what), readonly=readonly)
 
     @classmethod
-    def attach(cls, prefix: str, run_id: str, what: str, readonly: bool = False):
+    def attach(cls, prefix: str, run_id: str, what: str, readonly: bool = False) -> Self:
         seg = cls.attach_segment(prefix, run_id, what, readonly)
         try:
             return cls(seg)
@@ -145,19 +154,22 @@ class SharedTable:
         n = len(cls.GEOMETRY)
         if seg.size < 8 * (n + 2):
             raise shm.ShmError(f"{seg.name!r} is too small to be a {cls.KIND}")
-        words = seg.buf[:8 * (n + 2)].cast("Q")
+        words = seg.buf[: 8 * (n + 2)].cast("Q")
         magic, *geometry, size = words.tolist()
         words.release()
         if magic != cls.MAGIC:
-            raise shm.ShmError(f"{seg.name!r} is not an initialised {cls.KIND} (bad magic: half-made, "
-                               f"or another kind or layout)")
+            raise shm.ShmError(
+                f"{seg.name!r} is not an initialised {cls.KIND} (bad magic: half-made, or another kind or layout)"
+            )
         try:
             expected = cls.segment_size(*geometry)
         except ValueError:
             expected = None
         if expected != size:
-            raise shm.ShmError(f"{seg.name!r} is not an initialised {cls.KIND} (its header's geometry "
-                               f"{dict(zip(cls.GEOMETRY, geometry))} and size {size} disagree)")
+            raise shm.ShmError(
+                f"{seg.name!r} is not an initialised {cls.KIND} (its header's geometry "
+                f"{dict(zip(cls.GEOMETRY, geometry))} and size {size} disagree)"
+            )
         if seg.size < size:
             raise shm.ShmError(f"{cls.KIND} {seg.name!r} is smaller than its header says")
         return tuple(geometry)
@@ -178,7 +190,7 @@ class SharedTable:
     def unlink(self) -> None:
         self.segment.unlink()
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -201,6 +213,7 @@ class SlotTable(SharedTable):
 
     SLOT_BYTES = 64
     CAPACITY = (1, 2**28)
+    capacity: int  # its geometry (SharedTable.__init__ sets it from the header)
 
     @classmethod
     def layout(cls, capacity: int) -> dict[str, int]:
@@ -220,7 +233,7 @@ class SlotTable(SharedTable):
         super().__init__(seg)
         lay = self.layout(self.capacity)
         self.slots_at = lay["slots"]
-        self.generations = np.frombuffer(seg.buf.obj, np.uint64, self.capacity, lay["generations"])
+        self.generations = np.frombuffer(seg.mapped, np.uint64, self.capacity, lay["generations"])
 
     def next_generation(self) -> int:
         """One more than the highest generation in the table: where a writer starts."""

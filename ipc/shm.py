@@ -13,6 +13,7 @@ of SIGBUS at first touch. Nothing is registered with Python's resource tracker:
 the supervisor owns cleanup, and a tracker in a dying child would unlink
 segments that other stages still use.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,6 +25,7 @@ import re
 import secrets
 import shutil
 import stat
+from typing import cast
 
 import posix_ipc
 
@@ -54,9 +56,7 @@ class ShmFullError(ShmError):
 
 def check_prefix(prefix: str) -> str:
     if not _PREFIX_RE.match(prefix or ""):
-        raise ValueError(
-            f"shm prefix {prefix!r} must be 1-32 letters, digits or underscores"
-        )
+        raise ValueError(f"shm prefix {prefix!r} must be 1-32 letters, digits or underscores")
     return prefix
 
 
@@ -123,11 +123,15 @@ def private_dir(path: str) -> None:
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise ShmError(f"run directory {path} exists and is not a directory (a symlink?): refusing it")
     if st.st_uid != os.geteuid():
-        raise ShmError(f"run directory {path} belongs to uid {st.st_uid}, not to this user "
-                       f"({os.geteuid()}): refusing it; remove it or choose another run_dir")
+        raise ShmError(
+            f"run directory {path} belongs to uid {st.st_uid}, not to this user "
+            f"({os.geteuid()}): refusing it; remove it or choose another run_dir"
+        )
     if st.st_mode & 0o022:
-        raise ShmError(f"run directory {path} is writable by group or others "
-                       f"(mode {stat.S_IMODE(st.st_mode):o}): refusing it; chmod 700 it or choose another run_dir")
+        raise ShmError(
+            f"run directory {path} is writable by group or others "
+            f"(mode {stat.S_IMODE(st.st_mode):o}): refusing it; chmod 700 it or choose another run_dir"
+        )
 
 
 class Segment:
@@ -141,7 +145,13 @@ class Segment:
         self._fd = fd
         prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
         self._mmap = mmap.mmap(fd, size, prot=prot) if size else None
-        self.buf = memoryview(self._mmap) if size else memoryview(b"")
+        self.buf = memoryview(self._mmap) if self._mmap is not None else memoryview(b"")
+
+    @property
+    def mapped(self) -> mmap.mmap | bytes:
+        """What ``buf`` views: the mapping (empty bytes for a segment of no size), for numpy
+        arrays over it and for ``find``."""
+        return cast("mmap.mmap | bytes", self.buf.obj)
 
     @classmethod
     def create(cls, name: str, size: int, *, slices: int = 1, touch=None) -> "Segment":
@@ -294,7 +304,9 @@ def sweep(prefix: str, run_id: str | None = None, *, include_live: bool = False)
     removed = []
     runs: dict[str, list[str]] = {}
     for entry in list_objects(prefix, run_id):
-        runs.setdefault(parse_name(entry)[1], []).append(entry)
+        parsed = parse_name(entry)
+        if parsed:  # always: list_objects lists only the names that parse
+            runs.setdefault(parsed[1], []).append(entry)
     for rid, entries in runs.items():
         if not include_live and _run_alive(prefix, rid):
             continue
@@ -313,6 +325,7 @@ def sweep(prefix: str, run_id: str | None = None, *, include_live: bool = False)
 # with it names one process, and the namespace says whether this host's /proc can
 # answer for it at all.
 
+
 def _start_time(pid: int | str) -> int | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -320,7 +333,7 @@ def _start_time(pid: int | str) -> int | None:
     except OSError:
         return None
     # Field 22; the command name (field 2) may hold spaces and parentheses: count from its end.
-    return int(stat_line[stat_line.rindex(b")") + 2:].split()[19])
+    return int(stat_line[stat_line.rindex(b")") + 2 :].split()[19])
 
 
 def _pid_namespace(pid: int | str = "self") -> int:

@@ -23,6 +23,7 @@ in place of their data semaphores, and sleep on it in ``wait_any``.
 Each function takes the ``'Q'`` view of the header words and the indices of the
 words it uses, so the layout stays the ring's.
 """
+
 from __future__ import annotations
 
 import time

@@ -9,6 +9,7 @@ on this host holds unread from an orphan (its rx_queue; a remote peer's is out o
 sight: once acknowledged, the bytes are in its kernel, read in the peer's next moments
 unless the peer itself is stalled); `destination` says which of them go to a receiver.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -59,8 +60,11 @@ def read_table(net_dir: str = "/proc/net") -> list[TcpSocket]:
             if len(cols) < 10:
                 continue
             tx, rx = cols[4].split(":")
-            out.append(TcpSocket(_address(cols[1]), _address(cols[2]), int(cols[3], 16),
-                                 int(tx, 16), int(rx, 16), int(cols[9])))
+            out.append(
+                TcpSocket(
+                    _address(cols[1]), _address(cols[2]), int(cols[3], 16), int(tx, 16), int(rx, 16), int(cols[9])
+                )
+            )
     return out
 
 
@@ -80,13 +84,17 @@ def orphaned(table: list[TcpSocket]) -> list[tuple[tuple[str, int], int]]:
 
 class Destination(NamedTuple):
     """Where a receiver's bytes go: its addresses (None: any) and ports (None: any)."""
+
     addresses: frozenset[str] | None
     ports: frozenset[int] | None
 
     def carried(self, orphans) -> int:
         """Bytes `orphans` (orphaned()) can still deliver here."""
-        return sum(n for (ip, port), n in orphans
-                   if (self.addresses is None or ip in self.addresses) and (self.ports is None or port in self.ports))
+        return sum(
+            n
+            for (ip, port), n in orphans
+            if (self.addresses is None or ip in self.addresses) and (self.ports is None or port in self.ports)
+        )
 
 
 def port_groups(table: list[TcpSocket], proc: str = "/proc") -> dict[int, frozenset[int]]:

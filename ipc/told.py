@@ -19,6 +19,7 @@ Bounded: `capacity` entries, sized by the caller from the rooms remembered at on
 tombstone is (`forget`). When it is full `record_*` returns False: the status still
 goes out, unrecorded (the caller counts it).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -48,14 +49,23 @@ def receiver_hash(receiver: str) -> int:
 
 def _layout(capacity: int, max_items: int) -> dict[str, int]:
     """Columns: room u64, receiver hash u64, first told f64, flags u8, item bits u8[items/8]."""
-    return lay_out((("room", 8 * capacity), ("rx", 8 * capacity), ("at", 8 * capacity),
-                    ("flags", capacity), ("items", capacity * ((max_items + 7) // 8))))
+    return lay_out(
+        (
+            ("room", 8 * capacity),
+            ("rx", 8 * capacity),
+            ("at", 8 * capacity),
+            ("flags", capacity),
+            ("items", capacity * ((max_items + 7) // 8)),
+        )
+    )
 
 
 class ToldTable(SharedTable):
     MAGIC = 0x646C_6F74_0000_0001  # "told", layout 1
     KIND = "told table"
     GEOMETRY = ("capacity", "max_items")
+    capacity: int  # the geometry (SharedTable.__init__ sets it from the header)
+    max_items: int
 
     @classmethod
     def segment_size(cls, capacity: int, max_items: int) -> int:
@@ -69,13 +79,14 @@ class ToldTable(SharedTable):
         super().__init__(seg)
         capacity = self.capacity
         lay = _layout(capacity, self.max_items)
-        mm = seg.buf.obj
+        mm = seg.mapped
         self._room = np.frombuffer(mm, np.uint64, capacity, lay["room"])
         self._rx = np.frombuffer(mm, np.uint64, capacity, lay["rx"])
         self._at = np.frombuffer(mm, np.float64, capacity, lay["at"])
         self._flags = np.frombuffer(mm, np.uint8, capacity, lay["flags"])
-        self._items = np.frombuffer(mm, np.uint8, capacity * ((self.max_items + 7) // 8),
-                                    lay["items"]).reshape(capacity, -1)
+        self._items = np.frombuffer(mm, np.uint8, capacity * ((self.max_items + 7) // 8), lay["items"]).reshape(
+            capacity, -1
+        )
         self._index: dict[int, dict[int, int]] | None = None  # room -> receiver hash -> entry
         self._free: list[int] = []
 
@@ -153,7 +164,7 @@ class ToldTable(SharedTable):
         return True
 
     def _new(self, room: int, receiver: str, now: float, flags: int, item: int | None) -> bool:
-        self._entries()
+        index = self._entries()
         if not self._free:
             return False
         e = self._free.pop()
@@ -165,7 +176,7 @@ class ToldTable(SharedTable):
         if _fault_hook is not None:
             _fault_hook("told.body")
         self._flags[e] = flags  # publish: one byte store
-        self._index.setdefault(room, {})[rx] = e
+        index.setdefault(room, {})[rx] = e
         return True
 
     def forget(self, room: int) -> None:

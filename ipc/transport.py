@@ -34,6 +34,7 @@ against mooncake-transfer-engine 0.3.13.post1 over TCP, and read in Mooncake's s
 * Engines do not survive ``fork``: an inherited engine hangs. Create one per process
   (spawn, or after fork); this wrapper refuses to be used from another pid.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,14 +45,15 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from ipc import mooncake_log
 
 __all__ = ["Engine", "Pending", "TransportError"]
 
 _PROTOCOLS = ("tcp", "rdma")
-_HANDSHAKE_STALL_S = 60.0          # measured: handshake with a hung peer blocks ~60 s
-_SESSION_FAIL_MEMO_S = 2.0         # queued writes to a peer whose open just failed fail fast
+_HANDSHAKE_STALL_S = 60.0  # measured: handshake with a hung peer blocks ~60 s
+_SESSION_FAIL_MEMO_S = 2.0  # queued writes to a peer whose open just failed fail fast
 # Writes the library holds for one peer at most: a burst of thousands at once makes
 # Mooncake's TCP transport stall or drop some of them; the rest wait in their queue.
 MAX_WRITES_IN_FLIGHT = 128
@@ -113,8 +115,7 @@ class Pending:
     unreachable and whose error says so.
     """
 
-    def __init__(self, engine: "Engine", session: str, entries: list[tuple[int, int, int]],
-                 deadline: float):
+    def __init__(self, engine: "Engine", session: str, entries: list[tuple[int, int, int]], deadline: float):
         self.session = session
         self.error = ""
         self.nbytes = sum(e[2] for e in entries)
@@ -122,7 +123,7 @@ class Pending:
         self._entries = entries
         self._deadline = deadline
         self._lock = threading.Lock()
-        self._ids: list[int] = []          # batch ids not yet terminal
+        self._ids: list[int] = []  # batch ids not yet terminal
         self._dispatched = False
         self._abandoned = False
         self._failures: list[str] = []
@@ -145,8 +146,10 @@ class Pending:
                 continue
             bid = te.transfer_submit_write(self.session, src, dst, n)
             if not _batch_ok(bid):
-                failure = (f"peer {self.session} unreachable: the transfer engine could "
-                           f"not open the session or start write {i} ({n} bytes)")
+                failure = (
+                    f"peer {self.session} unreachable: the transfer engine could "
+                    f"not open the session or start write {i} ({n} bytes)"
+                )
                 self._engine._note_session_failure(self.session, failure)
                 break
             with self._lock:
@@ -178,13 +181,12 @@ class Pending:
                 if s == 0:
                     still.append(bid)
                 elif s == 1:
-                    pass                     # completed; the library freed the batch
-                elif s == -1:                # failed; the library freed the batch
+                    pass  # completed; the library freed the batch
+                elif s == -1:  # failed; the library freed the batch
                     self._failures.append(self._write_failed_reason())
                     self._engine._forget(self.session)
-                else:                        # -2 (timeout): not freed by the library
-                    self._failures.append(
-                        f"write to {self.session} timed out in the transfer engine (status {s})")
+                else:  # -2 (timeout): not freed by the library
+                    self._failures.append(f"write to {self.session} timed out in the transfer engine (status {s})")
             self._ids = still
             if self._dispatched and not self._ids:
                 return self._finish(not self._failures)
@@ -196,14 +198,17 @@ class Pending:
                 self._failures.append(
                     f"peer {self.session} unreachable: no completion within "
                     f"{self._engine.backstop_s:.0f} s (the transfer engine has not released "
-                    f"the write; it may still land)")
+                    f"the write; it may still land)"
+                )
                 return self._finish(False)
             return None
 
     def _write_failed_reason(self) -> str:
-        return (f"write to {self.session} failed: peer unreachable or gone, connection "
-                f"dropped or stalled, or destination outside the peer's registered memory "
-                f"(the Mooncake log on stderr has the detail)")
+        return (
+            f"write to {self.session} failed: peer unreachable or gone, connection "
+            f"dropped or stalled, or destination outside the peer's registered memory "
+            f"(the Mooncake log on stderr has the detail)"
+        )
 
     def _finish(self, ok: bool) -> bool:
         if not ok:
@@ -260,24 +265,32 @@ class Engine:
     peers wait for a free dispatcher.
     """
 
-    def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", device: str = "",
-                 *, progress_timeout_s: int | None = None, dispatch_threads: int = 4):
+    def __init__(
+        self,
+        hostname: str = "127.0.0.1",
+        protocol: str = "tcp",
+        device: str = "",
+        *,
+        progress_timeout_s: int | None = None,
+        dispatch_threads: int = 4,
+    ):
         self._pid = os.getpid()
-        self._te = None
+        self._te: Any = None  # mooncake's TransferEngine (untyped); None until made, and once closed
         self._closed = True
         if protocol not in _PROTOCOLS:
-            raise TransportError(
-                f"unknown Mooncake protocol {protocol!r}: expected one of {', '.join(_PROTOCOLS)}")
+            raise TransportError(f"unknown Mooncake protocol {protocol!r}: expected one of {', '.join(_PROTOCOLS)}")
         if not isinstance(hostname, str) or not hostname or ":" in hostname:
             raise TransportError(
                 f"hostname {hostname!r} must be a bare host name or IPv4 address: the engine "
-                f"picks its own RPC port and peers write to the session 'host:port'")
+                f"picks its own RPC port and peers write to the session 'host:port'"
+            )
         try:
             socket.getaddrinfo(hostname, None)
         except OSError as e:
             raise TransportError(
                 f"hostname {hostname!r} does not resolve ({e}); peers would not reach this "
-                f"engine at it — pass an IP address of this machine") from None
+                f"engine at it — pass an IP address of this machine"
+            ) from None
         if progress_timeout_s is not None:
             if progress_timeout_s < 1:
                 raise TransportError("progress_timeout_s must be >= 1")
@@ -294,20 +307,23 @@ class Engine:
                 te = cls()
                 rc = te.initialize(hostname, "P2PHANDSHAKE", protocol, device)
             except Exception as e:
-                raise TransportError(f"Mooncake initialize(hostname={hostname!r}, "
-                                     f"protocol={protocol!r}, device={device!r}) raised {e!r}") from e
+                raise TransportError(
+                    f"Mooncake initialize(hostname={hostname!r}, protocol={protocol!r}, device={device!r}) raised {e!r}"
+                ) from e
         if rc != 0:
             raise TransportError(
                 f"Mooncake initialize(hostname={hostname!r}, protocol={protocol!r}, "
                 f"device={device!r}) failed with code {rc}: it could not bind its RPC or data "
                 f"port (ports in use, or MC_MIN_RPC_PORT/MC_MAX_RPC_PORT too narrow) or set up "
-                f"the transport; Mooncake's own log of it is on stderr at log level DEBUG")
+                f"the transport; Mooncake's own log of it is on stderr at log level DEBUG"
+            )
         if protocol == "rdma" and not _has_rdma_devices(te):
-            del te                       # nothing in flight yet: safe to destroy
+            del te  # nothing in flight yet: safe to destroy
             raise TransportError(
                 "protocol 'rdma' requested but Mooncake found no RDMA devices on this machine "
                 "(it would silently fall back to TCP); use protocol 'tcp', or check "
-                f"the device filter {device!r} and the RDMA drivers")
+                f"the device filter {device!r} and the RDMA drivers"
+            )
         port = te.get_rpc_port()
         self._te = te
         self.hostname = hostname
@@ -324,8 +340,7 @@ class Engine:
         self._writes_in_flight: dict[str, int] = {}  # per peer: dispatched by _drain, not yet done
         self._write_done = threading.Condition(self._lock)
         self._orphans: list[int] = []
-        self._pool = ThreadPoolExecutor(max_workers=max(1, dispatch_threads),
-                                        thread_name_prefix="mooncake-submit")
+        self._pool = ThreadPoolExecutor(max_workers=max(1, dispatch_threads), thread_name_prefix="mooncake-submit")
         self._closed = False
 
     # -- memory ------------------------------------------------------------
@@ -334,17 +349,14 @@ class Engine:
         reaches this engine can read it too."""
         self._usable()
         if address <= 0 or length <= 0:
-            raise TransportError(f"cannot register address {address:#x} length {length}: "
-                                 f"both must be positive")
+            raise TransportError(f"cannot register address {address:#x} length {length}: both must be positive")
         with self._lock:
             for a, n in self._regs.items():
                 if address < a + n and a < address + length:
-                    raise TransportError(
-                        f"region {address:#x}+{length} overlaps registered region {a:#x}+{n}")
+                    raise TransportError(f"region {address:#x}+{length} overlaps registered region {a:#x}+{n}")
             rc = self._te.register_memory(address, length)
             if rc != 0:
-                raise TransportError(f"Mooncake register_memory({address:#x}, {length}) failed "
-                                     f"with code {rc}")
+                raise TransportError(f"Mooncake register_memory({address:#x}, {length}) failed with code {rc}")
             self._regs[address] = length
 
     def register_source(self, address: int, length: int) -> None:
@@ -379,12 +391,11 @@ class Engine:
         memory; returns when complete. Blocks at most about ``backstop_s`` (a hung
         peer: ~60 s handshake or the progress timeout); raises TransportError."""
         p = self._make_pending(session, [src], [dst], [length])
-        p._dispatch(self._te)            # in this thread: the caller asked to block
+        p._dispatch(self._te)  # in this thread: the caller asked to block
         if not p.wait(None):
             raise TransportError(p.error)
 
-    def submit(self, session: str, srcs: list[int], dsts: list[int],
-               lengths: list[int]) -> Pending:
+    def submit(self, session: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> Pending:
         """Start writes ``srcs[i] -> dsts[i]`` of ``lengths[i]`` bytes to one peer;
         returns at once (the library is called from a dispatcher thread)."""
         p = self._make_pending(session, srcs, dsts, lengths)
@@ -409,14 +420,12 @@ class Engine:
         except (TypeError, ValueError) as e:
             raise TransportError(f"srcs, dsts and lengths must be integers: {e}") from None
         if not (len(srcs) == len(dsts) == len(lengths)):
-            raise TransportError(f"srcs, dsts and lengths differ in length "
-                                 f"({len(srcs)}, {len(dsts)}, {len(lengths)})")
+            raise TransportError(f"srcs, dsts and lengths differ in length ({len(srcs)}, {len(dsts)}, {len(lengths)})")
         for s, d, n in zip(srcs, dsts, lengths):
             if n < 0 or (n and (s <= 0 or d <= 0)):
                 raise TransportError(f"bad write src={s:#x} dst={d:#x} length={n}")
         self._reap_orphans()
-        p = Pending(self, session, list(zip(srcs, dsts, lengths)),
-                    time.monotonic() + self.backstop_s)
+        p = Pending(self, session, list(zip(srcs, dsts, lengths)), time.monotonic() + self.backstop_s)
         with self._lock:
             self._inflight.add(p)
         return p
@@ -432,8 +441,7 @@ class Engine:
                         self._busy_threads -= 1
                         return
                     p = q.popleft()
-                    while (self._writes_in_flight.get(session, 0) >= MAX_WRITES_IN_FLIGHT
-                           and not self._closed):
+                    while self._writes_in_flight.get(session, 0) >= MAX_WRITES_IN_FLIGHT and not self._closed:
                         self._write_done.wait(0.1)
                     p._counted = sum(1 for e in p._entries if e[2])
                     self._writes_in_flight[session] = self._writes_in_flight.get(session, 0) + p._counted
@@ -462,9 +470,11 @@ class Engine:
                 return ""
         rc = te.send_probe(session)
         if rc != 0:
-            why = (f"peer {session} unreachable: handshake probe failed with code {rc} "
-                   f"(-101: host does not resolve, -102: nothing listens there or it "
-                   f"did not answer)")
+            why = (
+                f"peer {session} unreachable: handshake probe failed with code {rc} "
+                f"(-101: host does not resolve, -102: nothing listens there or it "
+                f"did not answer)"
+            )
             self._note_session_failure(session, why)
             return why
         with self._lock:
@@ -520,7 +530,8 @@ class Engine:
             raise TransportError(
                 f"this Mooncake engine was created in process {self._pid}; engines do not "
                 f"survive fork (calls into an inherited one hang) — create a new Engine in "
-                f"process {os.getpid()}")
+                f"process {os.getpid()}"
+            )
 
     def _usable(self) -> None:
         self._check_pid()

@@ -3,17 +3,16 @@
 Only structure is checked here; rules that need the worker's state (the tower's
 patch_dim, the item's span, remembered rooms) are checked by the stages.
 """
+
 from __future__ import annotations
 
 import base64
 import functools
 import re
-import secrets
-import struct
 from collections import Counter
 from dataclasses import dataclass
+from typing import TypeGuard
 
-import blake3
 import msgpack
 import xxhash
 
@@ -26,26 +25,27 @@ MAX_ID_CHARS = 256  # receiver ids, sessions, endpoints
 MAX_SESSION_BYTES = 4 * MAX_ID_CHARS - 24  # room for an incarnation beside it (ipc/receivers.py)
 MAX_REASON_KEYS = 64
 MAX_CACHE_SALT = 128  # characters of an encode's cache_salt (protocol 1.1)
-CACHE_KEY_BYTES = 32  # the key of the keyed content hash (BLAKE3's key size)
-MAX_ROOM_RECEIVERS = 7  # (1.2) receiver keys an encode may name: with its gateway's, ipc/rooms.py's ROOM_KEYS
+MAX_ROOM_RECEIVERS = 7  # (1.2) receiver keys an encode may name: with its gateway's, ipc/room_record.py's ROOM_KEYS
 _Z85_KEY = re.compile(r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}")  # a CurveZMQ public key
 # What ZeroMQ can connect to: a host (name, IPv4 or [IPv6]) and a port, or an ipc path
 # that fits a socket address. Anything else makes connect() raise in the reaper.
 # A status endpoint under TOKENSPEED_STATUS hears tokenspeed's status frames instead of
 # ours (tokenspeed_status): what the tokenspeed frame front registers its prefill ranks with.
 TOKENSPEED_STATUS = "tokenspeed+"
-_STATUS_ENDPOINT = re.compile(r"(?:tokenspeed\+)?tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})|ipc://[^\0]{1,100}")
+_STATUS_ENDPOINT = re.compile(
+    r"(?:tokenspeed\+)?tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})|ipc://[^\0]{1,100}"
+)
 
 
 class ProtocolError(ValueError):
     """A message breaks a rule; str(e) is the reason sent to the client."""
 
 
-def is_u64(x) -> bool:
+def is_u64(x: object) -> TypeGuard[int]:
     return type(x) is int and 0 <= x <= U64_MAX
 
 
-def is_int(x) -> bool:
+def is_int(x: object) -> TypeGuard[int]:
     return type(x) is int
 
 
@@ -108,6 +108,7 @@ class PixelsRef:
 class MediaRef:
     """A compressed image (protocol 1.2): its format, its size in bytes, the processor's
     resize bounds the gateway asked for (0: the worker's own)."""
+
     format: str
     size: int
     min_pixels: int = 0
@@ -162,10 +163,14 @@ def parse_encode(msg: dict, max_items: int) -> EncodeRequest:
     if salt is not None and (not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT):
         raise ProtocolError(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters")
     receivers = msg.get("receivers")
-    if receivers is not None and not (isinstance(receivers, list) and 1 <= len(receivers) <= MAX_ROOM_RECEIVERS
-                                      and all(isinstance(k, str) and _Z85_KEY.fullmatch(k) for k in receivers)):
-        raise ProtocolError(f"receivers must be a list of 1..{MAX_ROOM_RECEIVERS} CurveZMQ public keys "
-                            f"(40 characters of Z85)")
+    if receivers is not None and not (
+        isinstance(receivers, list)
+        and 1 <= len(receivers) <= MAX_ROOM_RECEIVERS
+        and all(isinstance(k, str) and _Z85_KEY.fullmatch(k) for k in receivers)
+    ):
+        raise ProtocolError(
+            f"receivers must be a list of 1..{MAX_ROOM_RECEIVERS} CurveZMQ public keys (40 characters of Z85)"
+        )
     items = msg.get("items")
     if not isinstance(items, list) or not 1 <= len(items) <= max_items:
         raise ProtocolError(f"items must be a list of 1..{max_items} items (max_items_per_request)")
@@ -252,10 +257,12 @@ def _parse_media(i: int, m) -> PixelsRef:
         url = m["url"]
         match = _DATA_URL.match(url) if isinstance(url, str) else None
         if match is None:
-            raise ProtocolError(f"item {i}: media.url must be a data:image/(jpeg|png|webp);base64, URL "
-                                f"(this worker fetches no http(s) URL)")
+            raise ProtocolError(
+                f"item {i}: media.url must be a data:image/(jpeg|png|webp);base64, URL "
+                f"(this worker fetches no http(s) URL)"
+            )
         try:
-            data = base64.b64decode(url[match.end():], validate=True)
+            data = base64.b64decode(url[match.end() :], validate=True)
         except ValueError:
             raise ProtocolError(f"item {i}: media.url is not valid base64") from None
         fmt = fmt or {"jpg": "jpeg"}.get(match.group(1).lower(), match.group(1).lower())
@@ -272,8 +279,9 @@ def _parse_media(i: int, m) -> PixelsRef:
     size = len(data) if data is not None else m.get("size")
     if not (is_int(size) and 1 <= size <= 1 << 40):
         raise ProtocolError(f"item {i}: media must have 1 or more bytes (media.size with media.shm)")
-    return PixelsRef(shape=(size, 1), dtype="float32", shm=shm, data=data,
-                     media=MediaRef(fmt, size, bounds[0], bounds[1]))
+    return PixelsRef(
+        shape=(size, 1), dtype="float32", shm=shm, data=data, media=MediaRef(fmt, size, bounds[0], bounds[1])
+    )
 
 
 def check_item_against_tower(i: int, item: EncodeItem, patch_dim: int, merge: int) -> int:
@@ -281,20 +289,22 @@ def check_item_against_tower(i: int, item: EncodeItem, patch_dim: int, merge: in
     n_patches = 0
     for t, h, w in item.grid_thw:
         if h % merge or w % merge:
-            raise ProtocolError(
-                f"item {i}: grid [{t}, {h}, {w}] has h or w not divisible by the merge size {merge}")
+            raise ProtocolError(f"item {i}: grid [{t}, {h}, {w}] has h or w not divisible by the merge size {merge}")
         n_patches += t * h * w
     if item.pixels.media is not None:  # the patches are the preprocess stage's to make, and check
         return n_patches // (merge * merge)
     if item.pixels.shape[0] != n_patches:
         raise ProtocolError(
-            f"item {i}: pixels.shape[0] is {item.pixels.shape[0]} but grid_thw gives {n_patches} patches")
+            f"item {i}: pixels.shape[0] is {item.pixels.shape[0]} but grid_thw gives {n_patches} patches"
+        )
     if item.pixels.shape[1] != patch_dim:
         raise ProtocolError(
-            f"item {i}: pixels.shape[1] is {item.pixels.shape[1]} but the tower's patch_dim is {patch_dim}")
+            f"item {i}: pixels.shape[1] is {item.pixels.shape[1]} but the tower's patch_dim is {patch_dim}"
+        )
     if item.pixels.data is not None and len(item.pixels.data) != item.pixels.nbytes:
         raise ProtocolError(
-            f"item {i}: inline data has {len(item.pixels.data)} bytes, shape and dtype need {item.pixels.nbytes}")
+            f"item {i}: inline data has {len(item.pixels.data)} bytes, shape and dtype need {item.pixels.nbytes}"
+        )
     return n_patches // (merge * merge)
 
 
@@ -305,6 +315,7 @@ def check_item_against_tower(i: int, item: EncodeItem, patch_dim: int, merge: in
 class KeyedFrame:
     """A frame from a CurveZMQ socket, with the public key (Z85) its peer authenticated
     with: the worker binds a receiver id to the key that registered it."""
+
     data: bytes
     key: str
 
@@ -383,6 +394,7 @@ class Cancel:
 class Query:
     """(1.1) The receiver heard nothing of a room for a while: the worker repeats what it
     told it about the room."""
+
     receiver: str
     room: int
 
@@ -398,8 +410,9 @@ def _status_endpoint(msg: dict) -> str:
     status = _short_str(msg, "status")
     m = _STATUS_ENDPOINT.fullmatch(status)
     if m is None or (m.group(2) is not None and not 1 <= int(m.group(2)) <= 65535):
-        raise ProtocolError("status must be an endpoint tcp://host:port (port 1..65535) "
-                            "or ipc://path (up to 100 characters)")
+        raise ProtocolError(
+            "status must be an endpoint tcp://host:port (port 1..65535) or ipc://path (up to 100 characters)"
+        )
     return status
 
 
@@ -447,18 +460,37 @@ def parse_bootstrap(msg: dict) -> Register | Alloc | Cancel | Query:
         raise ProtocolError("fanout must be an integer in 1..1024")
     if not isinstance(msg.get("dtype"), str) or msg["dtype"] not in DTYPES:
         raise ProtocolError(f"dtype must be one of {', '.join(DTYPES)}")
-    alloc = Alloc(receiver, msg["room"], msg["item"], msg["dst"], msg["dst_deepstack"],
-                  msg["row_start"], msg["n_rows"], msg["span"], msg["hidden"], msg["dtype"],
-                  msg["deepstack_width"], fanout, _incarnation(msg))
+    alloc = Alloc(
+        receiver,
+        msg["room"],
+        msg["item"],
+        msg["dst"],
+        msg["dst_deepstack"],
+        msg["row_start"],
+        msg["n_rows"],
+        msg["span"],
+        msg["hidden"],
+        msg["dtype"],
+        msg["deepstack_width"],
+        fanout,
+        _incarnation(msg),
+    )
     if "session" in msg or "status" in msg:
         alloc.session, alloc.status = _session(msg), _status_endpoint(msg)
     return alloc
 
 
-def status_message(room: int, item: int | None, ok: bool, reason: str = "", *,
-                   digest: bytes | None = None, repeat: bool = False) -> bytes:
-    msg = {"v": VERSION, "type": "status", "room": room, "item": item,
-           "state": "success" if ok else "failed", "reason": "" if ok else reason}
+def status_message(
+    room: int, item: int | None, ok: bool, reason: str = "", *, digest: bytes | None = None, repeat: bool = False
+) -> bytes:
+    msg = {
+        "v": VERSION,
+        "type": "status",
+        "room": room,
+        "item": item,
+        "state": "success" if ok else "failed",
+        "reason": "" if ok else reason,
+    }
     if digest is not None:
         msg["digest"] = digest
     if repeat:
@@ -491,98 +523,3 @@ def tokenspeed_status(frame: bytes) -> list[bytes]:
     status thread. An item's success is its room's (tokenspeed rooms have one item)."""
     st = msgpack.unpackb(frame, raw=False)
     return [str(st["room"]).encode(), b"5" if st["state"] == "success" else b"0", b"0"]
-
-
-def content_hash(modality: str, grid_thw, pixel_dtype: str, pixels) -> int:
-    """Unkeyed 64-bit xxh3 of what determines an embedding: what gateways route rooms by
-    (pipeline/peers/client.py's routing_key), which anyone can compute. Never a cache key: a
-    peer can craft collisions of it (the worker's cache keys are cache_hash)."""
-    h = content_hasher(modality, grid_thw, pixel_dtype)
-    h.update(pixels)
-    return h.intdigest()
-
-
-def content_hasher(modality: str, grid_thw, pixel_dtype: str):
-    """content_hash as a running hash: update it with the pixel bytes, in any pieces."""
-    h = xxhash.xxh3_64()
-    h.update(_hash_header(modality, grid_thw, pixel_dtype))
-    return h
-
-
-def cache_hash(key: bytes, modality: str, grid_thw, pixel_dtype: str, pixels) -> bytes:
-    """The worker's content hash of an item, its cache key: BLAKE3 in keyed mode (256
-    bits) under the worker's secret `key`, of the pixel bytes *and* their grid.
-
-    Keyed, so that no peer can compute it (nor craft two images under one key) without
-    the key; the same bytes under another grid (say [1, 4, 8] and [1, 8, 4]) give other
-    rows, so the grid and dtype go into the hash, not only the bytes.
-    """
-    h = cache_hasher(key, modality, grid_thw, pixel_dtype)
-    h.update(pixels)
-    return h.digest()
-
-
-def cache_hasher(key: bytes, modality: str, grid_thw, pixel_dtype: str):
-    """cache_hash as a running hash: update it with the pixel bytes, in any pieces;
-    `digest()` is cache_hash."""
-    h = blake3.blake3(key=key)
-    h.update(_hash_header(modality, grid_thw, pixel_dtype))
-    return h
-
-
-def _hash_header(modality: str, grid_thw, pixel_dtype: str) -> bytes:
-    return f"{modality}|{pixel_dtype}|".encode() + struct.pack(f"<{3 * len(grid_thw)}q",
-                                                             *(x for g in grid_thw for x in g))
-
-
-# A room that a front in the worker's own main process refused (tokenspeed's gRPC front)
-# fails at intake with the front's reason. Not a protocol message: intake honours it only
-# under a MAC keyed with the run's cache key, which no peer holds; any other is refused
-# as a message of an unknown type.
-REFUSED = "refused"
-MAX_REFUSAL_REASON = 512
-
-
-def refusal(key: bytes, room: int, request_id: str, reason: str) -> dict:
-    reason = reason[:MAX_REFUSAL_REASON]
-    return {"v": VERSION, "type": REFUSED, "room": room, "request_id": request_id, "reason": reason,
-            "mac": _refusal_mac(key, room, reason)}
-
-
-def refusal_reason(key: bytes, msg: dict) -> str | None:
-    """The reason of a refusal made under `key`; None if `msg` is none."""
-    room, reason, mac = room_of(msg), msg.get("reason"), msg.get("mac")
-    if msg.get("type") != REFUSED or room is None or not isinstance(reason, str) or not isinstance(mac, bytes) \
-            or len(reason) > MAX_REFUSAL_REASON:
-        return None
-    return reason if secrets.compare_digest(mac, _refusal_mac(key, room, reason)) else None
-
-
-def _refusal_mac(key: bytes, room: int, reason: str) -> bytes:
-    # The prefix keeps it apart from the cache hashes under the same key (_hash_header).
-    return blake3.blake3(b"refused\0" + struct.pack("<Q", room) + reason.encode(), key=key).digest()
-
-
-def new_cache_key() -> bytes:
-    return secrets.token_bytes(CACHE_KEY_BYTES)
-
-
-def parse_cache_key(data: bytes) -> bytes:
-    """A key file's contents as the key: CACHE_KEY_BYTES raw bytes, or twice as many hex
-    digits (surrounding whitespace allowed). ValueError says what is wrong."""
-    if len(data) == CACHE_KEY_BYTES:
-        return data
-    text = data.strip()
-    if len(text) == 2 * CACHE_KEY_BYTES:
-        try:
-            return bytes.fromhex(text.decode("ascii"))
-        except (UnicodeDecodeError, ValueError):
-            pass
-    raise ValueError(f"it holds {len(data)} bytes; a cache key is {CACHE_KEY_BYTES} raw bytes or "
-                     f"{2 * CACHE_KEY_BYTES} hex digits")
-
-
-def cache_key_id(key: bytes) -> str:
-    """A name for a key that gives nothing of it away: two workers share a key exactly when
-    they show the same id (stats, run.py status)."""
-    return blake3.blake3(b"epd cache key id", key=key).hexdigest()[:16]

@@ -5,7 +5,7 @@ import time
 from collections import Counter
 from dataclasses import replace
 
-from ipc import wire
+from ipc import hashing
 from ipc.arena import Arena, ArenaFull, Lease, StaleLease
 from ipc.stats import ReasonCode
 from stages import registry
@@ -56,8 +56,8 @@ class CacheStage(Stage):
         self.down: set[int] = set()  # workers dead and not yet back
         self.next_worker = 0  # where a tie starts: idle workers take turns
         # The run's key (the same as intake's): items whose pixels intake did not hash are hashed here.
-        self.content_key = content_key if content_key is not None else wire.new_cache_key()
-        self.content_key_id = wire.cache_key_id(self.content_key)
+        self.content_key = content_key if content_key is not None else hashing.new_cache_key()
+        self.content_key_id = hashing.cache_key_id(self.content_key)
         self.pixel_arena = pixel_arena
         self.cache = cache
         self.emb_arena = cache.arena  # the rows, cached or in flight
@@ -136,7 +136,7 @@ class CacheStage(Stage):
         elif w.pixel_hash is not None:
             h = w.pixel_hash
         else:
-            h = wire.cache_hash(self.content_key, w.modality, w.grid_thw, w.pixel_dtype,
+            h = hashing.cache_hash(self.content_key, w.modality, w.grid_thw, w.pixel_dtype,
                                 self.pixel_arena.view(w.pixels))
         return make_key(w.modality, h, w.span, self.hidden, self.dtype, w.cache_salt)
 

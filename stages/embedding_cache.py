@@ -4,7 +4,7 @@ Key
     ``(modality, hash, span, hidden, dtype, salt)``, a tuple (``make_key``); never
     the content hash alone, so two models or dtypes never share an entry, nor two
     requests of different ``cache_salt``. ``hash`` is the worker's keyed hash of the
-    pixels (``ipc.wire.cache_hash``, bytes), or a trusted client's own hash (an int):
+    pixels (``ipc.hashing.cache_hash``, bytes), or a trusted client's own hash (an int):
     the two never compare equal, so no client hash can name a keyed entry. The key
     the pixels are hashed under (``cache_key``) is the run's secret, or the operator's
     file's, shared by every stage process of the run.
@@ -64,7 +64,7 @@ import stat
 from collections import OrderedDict
 from typing import Any, Hashable, Optional
 
-from ipc import shm, wire
+from ipc import hashing, shm
 from ipc.arena import Arena, ArenaFull, Lease, StaleLease
 
 CacheKey = tuple  # (modality, hash, span, hidden, dtype, salt)
@@ -95,11 +95,11 @@ def read_key_file(path: str) -> bytes:
         if st.st_mode & (stat.S_IROTH | stat.S_IWOTH):
             raise ValueError(f"{path} is readable or writable by every user (mode {stat.S_IMODE(st.st_mode):o}), "
                              f"which gives the cache key away: chmod o-rw it (600 or 640)")
-        data = os.read(fd, 4 * wire.CACHE_KEY_BYTES)
+        data = os.read(fd, 4 * hashing.CACHE_KEY_BYTES)
     finally:
         os.close(fd)
     try:
-        return wire.parse_cache_key(data)
+        return hashing.parse_cache_key(data)
     except ValueError as e:
         raise ValueError(f"{path}: {e} (make one: head -c 32 /dev/urandom > {path})") from None
 
@@ -118,7 +118,7 @@ def run_key(prefix: str, run_id: str) -> bytes:
     mine = os.path.join(shm.SHM_DIR, shm.object_name(prefix, run_id, f"cachekey.{secrets.token_hex(4)}"))
     fd = os.open(mine, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        os.write(fd, wire.new_cache_key())
+        os.write(fd, hashing.new_cache_key())
         os.close(fd)
         try:
             os.link(mine, path)
@@ -133,15 +133,15 @@ def _read_run_key(path: str) -> bytes:
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
-        data = os.read(fd, wire.CACHE_KEY_BYTES + 1)
+        data = os.read(fd, hashing.CACHE_KEY_BYTES + 1)
     finally:
         os.close(fd)
     # Another user could have made it first in the shared /dev/shm, knowing the key.
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
         raise RuntimeError(f"{path} is not this user's alone (uid {st.st_uid}, mode "
                            f"{stat.S_IMODE(st.st_mode):o}): refusing the cache key in it")
-    if len(data) != wire.CACHE_KEY_BYTES:
-        raise RuntimeError(f"{path} holds {len(data)} bytes, not a cache key of {wire.CACHE_KEY_BYTES}")
+    if len(data) != hashing.CACHE_KEY_BYTES:
+        raise RuntimeError(f"{path} holds {len(data)} bytes, not a cache key of {hashing.CACHE_KEY_BYTES}")
     return data
 
 

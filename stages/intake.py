@@ -6,7 +6,7 @@ import time
 from collections import Counter
 from typing import NamedTuple
 
-from ipc import wire
+from ipc import hashing, wire
 from ipc.arena import Arena, ArenaFull, Lease
 from ipc.rooms import RoomState, RoomTable, TableFull
 from ipc.stats import ReasonCode, reason_class
@@ -61,8 +61,8 @@ class IntakeStage(Stage):
         self.image_pixels = image_pixels  # compressed images' min_pixels and max_pixels where an item gives none
         self.image_backend = image_backend  # whose processor's pixels the preprocess stage makes of them
         # Pixels are hashed under the run's secret key (the cache keys items by it): no peer can compute a key.
-        self.content_key = content_key if content_key is not None else wire.new_cache_key()
-        self.content_key_id = wire.cache_key_id(self.content_key)
+        self.content_key = content_key if content_key is not None else hashing.new_cache_key()
+        self.content_key_id = hashing.cache_key_id(self.content_key)
         self.prefix = prefix
         self.pixel_arena = pixel_arena
         self.rooms = rooms
@@ -170,7 +170,7 @@ class IntakeStage(Stage):
             segments.close(segments.take(self.prefix, wire.shm_names(msg)))
             self._drop("room cannot be read")
             return None
-        if msg.get("type") not in ("encode", wire.REFUSED):
+        if msg.get("type") not in ("encode", hashing.REFUSED):
             # Not a request: whoever sent it (a status pushed here, say) may not fail the
             # room it names, which a gateway may still send.
             segments.close(segments.take(self.prefix, wire.shm_names(msg)))
@@ -180,7 +180,7 @@ class IntakeStage(Stage):
         rid = rid[: wire.MAX_REQUEST_ID]
         # A failed room is its gateway's alone: the receivers it names may not be readable.
         gateway = (wire.key_tag(key),) if key else ()
-        refused = wire.refusal_reason(self.content_key, msg) if msg.get("type") == wire.REFUSED else None
+        refused = hashing.refusal_reason(self.content_key, msg) if msg.get("type") == hashing.REFUSED else None
         if refused is not None:  # a front of this worker refused the room: its reason
             self._fail_new_room(room, rid, refused, ReasonCode.BAD_REQUEST, gateway)
             return None
@@ -310,7 +310,7 @@ class IntakeStage(Stage):
             fmt, _, lo, hi = self._media(it.pixels.media)
             kind = f"media|{fmt}|{lo}|{hi}|{self.image_backend}"
         hasher = (None if self.trust_client_hash and it.hash is not None
-                  else wire.cache_hasher(self.content_key, it.modality, it.grid_thw, kind))
+                  else hashing.cache_hasher(self.content_key, it.modality, it.grid_thw, kind))
         view = self.pixel_arena.view(lease)
         if it.pixels.data is not None:
             view[:] = it.pixels.data

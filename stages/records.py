@@ -49,6 +49,7 @@ tower replica (stages/registry.py), and a tower's records to the scheduler name 
 | IntakeRestarted | supervisor | reaper | a new intake process is ready: requests in its predecessor's socket are gone |
 | IntakeRestarted | reaper | sender | the same: allocs held since before it for rooms never seen are answered soon |
 """
+
 from __future__ import annotations
 
 import copyreg
@@ -84,19 +85,20 @@ class RoomOpened:
 @dataclass(frozen=True, slots=True)
 class WorkItem:
     """One vision item on its way to an embedding."""
+
     slot: int
     room: int
     item: int
-    seq: int                 # arrival order, for FIFO scheduling
+    seq: int  # arrival order, for FIFO scheduling
     modality: str
     grid_thw: tuple
     pixel_dtype: str
     n_patches: int
     patch_dim: int
     span: int
-    pixels: Lease | None     # in the pixel arena; None once the tower let go of them
+    pixels: Lease | None  # in the pixel arena; None once the tower let go of them
     client_hash: int | None = None
-    pixel_hash: bytes | None = None  # ipc.wire.cache_hash of the pixels (keyed), taken by intake as it read them
+    pixel_hash: bytes | None = None  # ipc.hashing.cache_hash of the pixels (keyed), taken by intake as it read them
     key: tuple | None = None  # cache key, once hashed
     out: Lease | None = None  # in the embedding arena, once the scheduler reserved it
     cache_salt: str = ""  # the request's cache_salt: other salts never share its cache entry or encode
@@ -114,6 +116,7 @@ class Batch:
 @dataclass(frozen=True, slots=True)
 class ReadyItem:
     """An item's rows lie in the embedding arena; the receiving stage holds one reference on `lease`."""
+
     slot: int
     room: int
     item: int
@@ -174,6 +177,7 @@ class RoomFailure:
     room the sender saw only in allocs (never opened). `code`: a ReasonCode (ipc/stats.py),
     the label the failure is counted under; "" where the raise site sets none yet (its
     reason text is classed instead)."""
+
     slot: int | None
     room: int
     reason: str
@@ -258,7 +262,6 @@ class RoomsLost:
     died: str = ""  # the stage that died holding them; "" at a drain's end
 
 
-
 @dataclass(frozen=True, slots=True)
 class IntakeRestarted:
     at: float  # time.monotonic() when the successor was ready
@@ -268,14 +271,17 @@ class IntakeRestarted:
 # ipc.sleepers.WAIT_SLICE later; sooner under load, when it wakes for other records):
 # pushed without waking it, each saves that stage a round per room. Every other
 # record wakes its consumer.
-UNHURRIED = frozenset({
-    (REAPER, RoomOpened),      # a deadline to watch; the items are what is urgent, and they go elsewhere
-    (SENDER, RoomOpened),      # found in the round that its first alloc or item wakes (items that come
-                               # first poll for it)
-    (REAPER, AllocSeen),       # who must hear how the room ends; it ends later
-    (SENDER, RoomSucceeded),   # what is left of the room can go
-    (CACHE, PreprocessDone),   # counts for the next miss the cache routes, which wakes it
-})
+UNHURRIED = frozenset(
+    {
+        (REAPER, RoomOpened),  # a deadline to watch; the items are what is urgent, and they go elsewhere
+        # found in the round that its first alloc or item wakes (items that come first poll for it)
+        (SENDER, RoomOpened),
+        (REAPER, AllocSeen),  # who must hear how the room ends; it ends later
+        (SENDER, RoomSucceeded),  # what is left of the room can go
+        (CACHE, PreprocessDone),  # counts for the next miss the cache routes, which wakes it
+    }
+)
+
 
 def _pickled_as_tuple(cls):
     """Pickle a record as (class, its values): the dataclass default (``__getstate__``

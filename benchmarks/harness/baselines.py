@@ -90,7 +90,7 @@ def raw_intake_read(prefix: str, nbytes: int, n: int, hashed: bool = False) -> d
     import numpy as np
 
     from ipc import shm
-    from ipc.wire import cache_hasher, new_cache_key
+    from ipc.hashing import cache_hasher, new_cache_key
     from pipeline.peers.client import Client, unlink_segment
     from stages.segments import READ_PIECE
 

@@ -31,7 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import (common_pb2, tokenspeed_encoder_pb2, tokenspeed_encoder_pb2_grpc,
                                       tokenspeed_scheduler_pb2, tokenspeed_scheduler_pb2_grpc)
 
-from ipc import shm, wire
+from ipc import hashing, shm, wire
 from pipeline.runtime import wiring
 from pipeline.peers.client import unlink_segment
 
@@ -338,7 +338,7 @@ class GrpcFront:
     def _fail_room(self, room: int, request_id: str, reason: str) -> None:
         """A room refused here fails there too, with this reason, so that its prefill ranks
         hear "0" now rather than at their own timeout (intake logs and counts it)."""
-        msg = wire.refusal(self.refusal_key, room, request_id[:wire.MAX_REQUEST_ID] or "tokenspeed", reason)
+        msg = hashing.refusal(self.refusal_key, room, request_id[:wire.MAX_REQUEST_ID] or "tokenspeed", reason)
         try:
             self._send(msg, None)
         except Refused:

@@ -13,7 +13,7 @@ from ipc import media, shm
 from ipc import wire
 from pipeline.peers import curve
 from pipeline.peers.routing import HashRing
-from ipc.wire import content_hash
+from ipc.hashing import content_hash
 
 _NP_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
 

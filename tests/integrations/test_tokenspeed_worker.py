@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from ipc import wire
+from ipc import hashing, wire
 from pipeline.integrations.tokenspeed_front import FrameError, translate
 from stages.alloc_checks import tiling_problem
 from stages.records import OWNER_INTAKE, OWNER_TOWER, ReadyItem, Registered, RoomOpened, ShardWritten
@@ -103,12 +103,12 @@ def test_a_refused_pre_alloc_names_where_to_answer_when_it_can_be_read():
 
 
 def test_a_refusal_is_honoured_only_under_its_key():
-    key, other = wire.new_cache_key(), wire.new_cache_key()
-    msg = wire.decode(wire.encode(wire.refusal(key, 42, "gw-1", "shm segment is not a regular file")))
-    assert wire.refusal_reason(key, msg) == "shm segment is not a regular file"
-    assert wire.refusal_reason(other, msg) is None
-    assert wire.refusal_reason(key, {**msg, "room": 43}) is None
-    assert wire.refusal_reason(key, {**msg, "reason": "another"}) is None
+    key, other = hashing.new_cache_key(), hashing.new_cache_key()
+    msg = wire.decode(wire.encode(hashing.refusal(key, 42, "gw-1", "shm segment is not a regular file")))
+    assert hashing.refusal_reason(key, msg) == "shm segment is not a regular file"
+    assert hashing.refusal_reason(other, msg) is None
+    assert hashing.refusal_reason(key, {**msg, "room": 43}) is None
+    assert hashing.refusal_reason(key, {**msg, "reason": "another"}) is None
 
 
 @pytest.mark.parametrize("room", [0, 2**63 - 1, 2**63 + 5])
@@ -160,7 +160,7 @@ def _grpc_front(ctx, intake, monkeypatch, draining=lambda: False):
     cfg = SimpleNamespace(tower="sim", tower_config="", shm_prefix="tsbound", intake=intake,
                           tokenspeed_grpc=f"127.0.0.1:{free_port()}")
     spec = SimpleNamespace(patch_dim=1176, merge=2, dtype="bfloat16", deepstack_width=0)
-    return tokenspeed_grpc.GrpcFront(ctx, cfg, spec, draining, wire.new_cache_key())
+    return tokenspeed_grpc.GrpcFront(ctx, cfg, spec, draining, hashing.new_cache_key())
 
 
 def test_a_grpc_flood_is_turned_away_or_waits_and_every_call_ends(stalled_intake, monkeypatch):

@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
     run_state_machine_as_test
 
 from ipc import rooms as rooms_mod
-from ipc import shm, wire
+from ipc import room_record, shm, wire
 from tests.helpers import fork_call, wait_child
 from ipc.rooms import RoomEntry, RoomState, RoomTable, TableFull
 
@@ -123,10 +123,10 @@ def test_damaged_entries_are_repaired_never_read(make_table):
     gone = t.insert(12, "q12", 2, 0)
 
     def smash(slot, both=False):
-        base = t._rec0 + slot * 2 * rooms_mod._REC
+        base = t._rec0 + slot * 2 * room_record.RECORD_BYTES
         active = t._seqv[slot] & 1
         for copy in ((0, 1) if both else (active,)):
-            off = base + copy * rooms_mod._REC + 30
+            off = base + copy * room_record.RECORD_BYTES + 30
             t._mv[off:off + 4] = b"\xff\xfe\xfd\xfc"
 
     smash(live)
@@ -185,7 +185,7 @@ class RoomMachine(RuleBasedStateMachine):
             return
         slot = self.t.insert(room, rid, total, holders, deadline, state)
         assert slot not in self.model and 0 <= slot < CAP
-        cut = rooms_mod._cut(rid, 128).decode()
+        cut = room_record.cut(rid, 128).decode()
         self.model[slot] = dict(room=room, request_id=cut, state=state, holders=holders, items_total=total,
                                 items_done=0, reason="", deadline=deadline)
 
@@ -230,7 +230,7 @@ class RoomMachine(RuleBasedStateMachine):
         if ok:
             m = self.model[slot]
             m["state"] = S.SUCCESS if success else S.FAILED
-            m["reason"] = "" if success else rooms_mod._cut(reason, 256).decode()
+            m["reason"] = "" if success else room_record.cut(reason, 256).decode()
 
     @rule(i=st.integers(0, CAP - 1), room=ROOMS, use_model=st.booleans())
     def free(self, i, room, use_model):
@@ -349,14 +349,14 @@ def _inactive(t: RoomTable) -> dict[tuple[int, int], bytes]:
     out = {}
     for slot in range(t.capacity):
         seq = t._seqv[slot]
-        off = t._rec0 + (2 * slot + ((seq + 1) & 1)) * rooms_mod._REC
-        out[slot, seq] = t._mv[off:off + rooms_mod._REC].tobytes()
+        off = t._rec0 + (2 * slot + ((seq + 1) & 1)) * room_record.RECORD_BYTES
+        out[slot, seq] = t._mv[off:off + room_record.RECORD_BYTES].tobytes()
     return out
 
 
 def _unpublished(t: RoomTable, before: dict) -> bool:
     """Since ``before``, some inactive copy was (partly) rewritten but not published."""
-    return any(raw != before.get(key) and RoomTable._verify(raw, (key[1] - 1) & 0xFFFFFFFF) is None
+    return any(raw != before.get(key) and room_record.verify(raw, (key[1] - 1) & 0xFFFFFFFF) is None
                for key, raw in _inactive(t).items())
 
 
@@ -448,9 +448,9 @@ def test_writer_killed_at_each_point_leaves_old_value(make_table, point):
 
     assert wait_child(fork_call(child)) == -signal.SIGKILL
     seq = t._seqv[slot]
-    off = t._rec0 + (2 * slot + ((seq + 1) & 1)) * rooms_mod._REC
-    inactive = t._mv[off:off + rooms_mod._REC].tobytes()
-    assert (rooms_mod.RoomTable._verify(inactive, (seq + 1) & 0xFFFFFFFF) is None) == (point == "rooms.body")
+    off = t._rec0 + (2 * slot + ((seq + 1) & 1)) * room_record.RECORD_BYTES
+    inactive = t._mv[off:off + room_record.RECORD_BYTES].tobytes()
+    assert (room_record.verify(inactive, (seq + 1) & 0xFFFFFFFF) is None) == (point == "rooms.body")
     assert t.get(slot) == before  # the update did not happen
     assert t.fail(slot, 5, "now") and t.get(slot).reason == "now"
     assert t.repairs == 0
@@ -558,4 +558,4 @@ def test_a_room_keeps_its_keys_and_is_claimed_once_while_live(make_table):
     assert t.get(open_).keys == (gw, rx) + (0,) * 6, "kept past its conclusion (a tombstone's)"
     with pytest.raises(ValueError, match="at most 8 keys"):
         t.insert(5, "many", 1, 0, keys=tuple(range(1, 10)))
-    assert rooms_mod.ROOM_KEYS == 1 + wire.MAX_ROOM_RECEIVERS, "a gateway's key and every receiver's it may name"
+    assert room_record.ROOM_KEYS == 1 + wire.MAX_ROOM_RECEIVERS, "a gateway's key and every receiver's it may name"

@@ -7,11 +7,11 @@ import random
 import numpy as np
 import pytest
 
-from ipc import shm, wire
+from ipc import hashing, shm
 from pipeline.peers.client import Item, RoutedClient, WorkerAddress, routing_key
 from pipeline.peers.receiver import Receiver
 from pipeline.peers.routing import HashRing
-from ipc.wire import content_hash
+from ipc.hashing import content_hash
 from tests.helpers import ThreadedWorker, expected_sim_rows, image, sim_config
 
 pytestmark = pytest.mark.timeout(300)
@@ -107,7 +107,7 @@ def test_repeated_images_hit_the_cache_of_the_worker_that_encoded_them(cluster):
         cache = w.runtime.stages["cache"]
         cached = {key[1] for key in cache.cache.keys("arena")}
         # the worker's own keyed hash of each image routed to it (not the gateway's routing key)
-        assert cached == {wire.cache_hash(cache.content_key, "image", images[k].grid_thw, "float32",
+        assert cached == {hashing.cache_hash(cache.content_key, "image", images[k].grid_thw, "float32",
                                           images[k].pixels.tobytes()) for k in mine}
 
     # the same images again (new arrays, same content): each to the worker that has it cached

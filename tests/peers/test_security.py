@@ -17,7 +17,7 @@ import pytest
 from ipc import shm
 from ipc.arena import Arena
 from ipc.rooms import RoomTable
-from ipc import wire
+from ipc import hashing, wire
 from pipeline.peers.client import Client, Item
 from pipeline.peers.receiver import Receiver
 from stages import registry, segments
@@ -508,7 +508,7 @@ def test_intake_hashes_pixels_as_it_reads_them(intake, shm_prefix, monkeypatch):
     name = f"/{shm_prefix}.px.hashed"
     data = write_file(shm.SHM_DIR + name, Item("image", *image(9)).pixels.tobytes())
     (w,) = intake.items(segment_msg(21, name))
-    want = wire.cache_hash(intake.stage.content_key, "image", ((1, 4, 4),), "float32", data)
+    want = hashing.cache_hash(intake.stage.content_key, "image", ((1, 4, 4),), "float32", data)
     assert w.pixel_hash == want and bytes(intake.arena.view(w.pixels)) == data
 
     intake.stage.trust_client_hash = True

@@ -14,7 +14,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from ipc import shm, wire
+from ipc import hashing, shm, wire
 from ipc.arena import Arena
 from pipeline.peers.client import Client, Item
 from pipeline.cli.config import ConfigError, load_config
@@ -45,13 +45,13 @@ def key_file(path, data: bytes, mode: int = 0o600) -> str:
 
 def test_the_cache_hash_is_keyed_and_covers_the_grid():
     px = image(1)[1].tobytes()
-    k1, k2 = wire.new_cache_key(), wire.new_cache_key()
-    h = wire.cache_hash(k1, "image", GRID, "float32", px)
-    assert len(h) == 32 and h == wire.cache_hash(k1, "image", GRID, "float32", px)
-    assert h != wire.cache_hash(k2, "image", GRID, "float32", px)
-    assert h != wire.cache_hash(k1, "image", ((1, 2, 8),), "float32", px)
-    assert h != wire.cache_hash(k1, "video", GRID, "float32", px)
-    running = wire.cache_hasher(k1, "image", GRID, "float32")
+    k1, k2 = hashing.new_cache_key(), hashing.new_cache_key()
+    h = hashing.cache_hash(k1, "image", GRID, "float32", px)
+    assert len(h) == 32 and h == hashing.cache_hash(k1, "image", GRID, "float32", px)
+    assert h != hashing.cache_hash(k2, "image", GRID, "float32", px)
+    assert h != hashing.cache_hash(k1, "image", ((1, 2, 8),), "float32", px)
+    assert h != hashing.cache_hash(k1, "video", GRID, "float32", px)
+    running = hashing.cache_hasher(k1, "image", GRID, "float32")
     for at in range(0, len(px), 1000):  # in pieces, as intake hashes while it reads
         running.update(px[at:at + 1000])
     assert running.digest() == h
@@ -169,7 +169,7 @@ def test_keys_separate_salts_and_client_hashes(shm_prefix):
                            cache=EmbeddingCache(arena, OWNER_CACHE, 1 << 12, 1 << 12), hidden=64,
                            dtype="bfloat16", trust_client_hash=True)
         px = image(3)[1].tobytes()
-        digest = wire.cache_hash(stage.content_key, "image", GRID, "float32", px)
+        digest = hashing.cache_hash(stage.content_key, "image", GRID, "float32", px)
         w = WorkItem(slot=0, room=1, item=0, seq=1, modality="image", grid_thw=GRID, pixel_dtype="float32",
                      n_patches=16, patch_dim=1176, span=4, pixels=None, pixel_hash=digest)
         assert stage.key_of(w) == ("image", digest, 4, 64, "bfloat16", "")
@@ -177,7 +177,7 @@ def test_keys_separate_salts_and_client_hashes(shm_prefix):
         assert stage.key_of(replace(w, cache_salt="a")) == stage.key_of(replace(w, cache_salt="a"))
         forged = replace(w, pixel_hash=None, client_hash=int.from_bytes(digest[:8], "little"))
         assert stage.key_of(forged) != stage.key_of(w)
-        assert stage.stats()["cache_key_id"] == wire.cache_key_id(stage.content_key)
+        assert stage.stats()["cache_key_id"] == hashing.cache_key_id(stage.content_key)
     finally:
         arena.close()
         arena.unlink()
@@ -322,10 +322,10 @@ def test_workers_with_one_key_file_share_keys_and_default_runs_do_not(env, tmp_p
             it = Item("image", *image(43))
             room = send(client, rx, [it])
             assert rx.wait({room: 1}, 60) and not rx.failed
-            want = wire.cache_hash(key_a, "image", GRID, "float32", it.pixels.tobytes())
+            want = hashing.cache_hash(key_a, "image", GRID, "float32", it.pixels.tobytes())
             cached = w.runtime.stages["cache"].cache.keys("arena")
             assert [k[1] for k in cached] == [want], cached
         env.stop()
-    assert seen["a"] == seen["a2"] == wire.cache_key_id(key_a)
-    assert seen["b"] == wire.cache_key_id(key_b) != seen["a"]
+    assert seen["a"] == seen["a2"] == hashing.cache_key_id(key_a)
+    assert seen["b"] == hashing.cache_key_id(key_b) != seen["a"]
     assert seen["run1"] != seen["run2"] and not {seen["run1"], seen["run2"]} & {seen["a"], seen["b"]}

@@ -18,7 +18,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from ipc import shm, wire
+from ipc import hashing, shm
 from pipeline.peers.client import Client, Item
 from pipeline.cli import status
 from pipeline.cli.config import ConfigError, WorkerConfig
@@ -168,7 +168,7 @@ def test_a_value_that_fails_its_check_is_dropped_and_the_item_encoded(master, sh
 
 def _key(cache, grid, pixels) -> tuple:
     """The cache stage's key of an image of these pixels (its keyed hash, taken here)."""
-    h = wire.cache_hash(cache.content_key, "image", grid, "float32", pixels.tobytes())
+    h = hashing.cache_hash(cache.content_key, "image", grid, "float32", pixels.tobytes())
     return make_key("image", h, 4, cache.hidden, cache.dtype, "")
 
 
