@@ -67,6 +67,35 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 @pytest.fixture
+def worker_rig(shm_prefix, tmp_path):
+    """A factory of a worker (`mode`, its settings `sim_config`'s from `over`, its tower
+    `tower_obj` if given), a client of it and a receiver of each of `names`: all closed at the test's end, newest first. It returns the
+    worker, the client and the list of receivers; `worker_rig.made` is what it closes, for
+    what else a test wants closed with them."""
+    from pipeline.peers.client import Client
+    from pipeline.peers.receiver import Receiver
+    from pipeline.testing.workers import sim_config, start_worker
+
+    made = []
+
+    def start(mode: str, *, names=("rx",), buffer_bytes: int = 64 << 20, tower_obj=None, **over):
+        w = start_worker(mode, sim_config(shm_prefix, tmp_path, **over), tower=tower_obj)
+        made.append(w)
+        client = Client(w.cfg.intake, shm_prefix)
+        made.append(client)
+        rx = []
+        for name in names:  # each closed at the end even if the next one fails to start
+            rx.append(Receiver(name, w.cfg.bootstrap, buffer_bytes=buffer_bytes))
+            made.append(rx[-1])
+        return w, client, rx
+
+    start.made = made
+    yield start
+    for obj in reversed(made):
+        obj.close()
+
+
+@pytest.fixture
 def root_logger():
     """The root logger, its handlers and level put back after the test."""
     import logging

@@ -153,22 +153,13 @@ class Rig:
 
 
 @pytest.fixture(params=["inprocess", "pipeline"])
-def rig(request, shm_prefix, tmp_path):
-    made = []
-
+def rig(request, shm_prefix, worker_rig):
     def start(mode=None, **over):
-        w = start_worker(mode or request.param, sim_config(shm_prefix, tmp_path, **over))
-        made.append(w)
-        client = Client(w.cfg.intake, shm_prefix)
-        made.append(client)
-        rx = Receiver("rx", w.cfg.bootstrap, buffer_bytes=16 << 20)
-        made.append(rx)
-        return Rig(w, client, rx, shm_prefix, made)
+        w, client, (rx,) = worker_rig(mode or request.param, buffer_bytes=16 << 20, **over)
+        return Rig(w, client, rx, shm_prefix, worker_rig.made)
 
     start.mode = request.param
-    yield start
-    for obj in reversed(made):
-        obj.close()
+    return start
 
 
 def counted(counter: dict, prefix: str) -> int:

@@ -16,10 +16,10 @@ import pytest
 import zmq
 
 from ipc import wire
-from pipeline.peers.client import Client, Item
+from pipeline.peers.client import Item
 from pipeline.cli.config import WorkerConfig
 from pipeline.peers.receiver import Receiver
-from tests.helpers import expected_sim_rows, fork_call, image, sim_config, start_worker, wait_child
+from tests.helpers import expected_sim_rows, fork_call, image, wait_child
 
 pytestmark = pytest.mark.timeout(300)
 _rooms = itertools.count(70_000)
@@ -27,20 +27,13 @@ FLOOD = 5000
 
 
 @pytest.fixture(params=["inprocess", "pipeline"])
-def env(request, shm_prefix, tmp_path):
-    made = []
-
+def env(request, worker_rig):
     def start(**over):
-        w = start_worker(request.param, sim_config(shm_prefix, tmp_path, **over))
-        made.append(w)
-        client = Client(w.cfg.intake, shm_prefix)
-        made.append(client)
-        return w, client, made
+        w, client, _ = worker_rig(request.param, names=(), **over)
+        return w, client, worker_rig.made
 
     start.mode = request.param
-    yield start
-    for obj in reversed(made):
-        obj.close()
+    return start
 
 
 def serve_one(client, rx, seed: int, deadline_ms=None) -> tuple[int, Item]:

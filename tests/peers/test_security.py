@@ -18,12 +18,11 @@ from ipc import shm
 from ipc.arena import Arena
 from ipc.rooms import RoomTable
 from ipc import hashing, wire
-from pipeline.peers.client import Client, Item
-from pipeline.peers.receiver import Receiver
+from pipeline.peers.client import Item
 from stages import registry, segments
 from stages.intake import IntakeStage
 from stages.records import RoomFailure, WorkItem
-from tests.helpers import PATCH_DIM, expected_sim_rows, image, sim_config, start_worker
+from tests.helpers import PATCH_DIM, expected_sim_rows, image
 
 pytestmark = pytest.mark.timeout(300)
 _rooms = itertools.count(90_000)
@@ -32,21 +31,12 @@ IMAGE_BYTES = 16 * PATCH_DIM * 4
 
 
 @pytest.fixture
-def env(shm_prefix, tmp_path):
-    made = []
-
+def env(worker_rig):
     def start(mode="inprocess", **over):
-        w = start_worker(mode, sim_config(shm_prefix, tmp_path, **over))
-        made.append(w)
-        client = Client(w.cfg.intake, shm_prefix)
-        made.append(client)
-        rx = Receiver("rx", w.cfg.bootstrap, buffer_bytes=16 << 20)
-        made.append(rx)
+        w, client, (rx,) = worker_rig(mode, buffer_bytes=16 << 20, **over)
         return w, client, rx
 
-    yield start
-    for obj in reversed(made):
-        obj.close()
+    return start
 
 
 def alloc_all(rx, room, items):

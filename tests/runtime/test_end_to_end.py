@@ -8,35 +8,21 @@ import msgpack
 import numpy as np
 import pytest
 
-from pipeline.peers.client import Client, Item
-from pipeline.peers.receiver import Receiver
-from tests.helpers import expected_sim_rows, image, sim_config, start_worker
+from pipeline.peers.client import Item
+from tests.helpers import expected_sim_rows, image
 
 pytestmark = pytest.mark.timeout(300)
 _rooms = itertools.count(1000)
 
 
 @pytest.fixture(params=["inprocess", "pipeline"])
-def env(request, shm_prefix, tmp_path):
+def env(request, worker_rig):
     """Start a worker (built from `over`) in either mode, a client and receivers; tear all down."""
-    made = []
-
     def start(tower_obj=None, receivers=1, **over):
-        w = start_worker(request.param, sim_config(shm_prefix, tmp_path, **over), tower=tower_obj)
-        made.append(w)
-        client = Client(w.cfg.intake, shm_prefix)
-        made.append(client)
-        rx = []
-        for i in range(receivers):
-            r = Receiver(f"rx{i}", w.cfg.bootstrap, buffer_bytes=64 << 20)
-            made.append(r)
-            rx.append(r)
-        return w, client, rx
+        return worker_rig(request.param, names=[f"rx{i}" for i in range(receivers)], tower_obj=tower_obj, **over)
 
     start.mode = request.param
-    yield start
-    for obj in reversed(made):
-        obj.close()
+    return start
 
 
 def spec_of(w):

@@ -18,13 +18,12 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.peers.client import Client, Item
+from pipeline.peers.client import Item
 from ipc.stats import REASON_CLASSES, ReasonCode, reason_class
 from pipeline.ops.metrics import StageTotals, totals_of
-from pipeline.peers.receiver import Receiver
 from pipeline.runtime.supervisor import PipelineError
 from stages.records import RoomFailure
-from tests.helpers import PipelineWorker, ThreadedWorker, image, sim_config
+from tests.helpers import PipelineWorker, image, sim_config
 
 pytestmark = pytest.mark.timeout(300)
 _rooms = itertools.count(1)
@@ -69,22 +68,13 @@ def send(client, r, w, room, pixels_seed, *, grid=(1, 4, 4), n_items=1, hidden=N
 
 
 @pytest.fixture
-def started(shm_prefix, tmp_path):
-    made = []
-
+def started(worker_rig):
     def start(mode="pipeline", **over):
-        cfg = sim_config(shm_prefix, tmp_path, metrics_endpoint="127.0.0.1:0", bootstrap_timeout_s=10.0, **over)
-        w = PipelineWorker(cfg) if mode == "pipeline" else ThreadedWorker(cfg)
-        made.append(w)
-        client = Client(w.cfg.intake, shm_prefix)
-        made.append(client)
-        r = Receiver("rx", w.cfg.bootstrap, buffer_bytes=16 << 20)
-        made.append(r)
+        w, client, (r,) = worker_rig(mode, buffer_bytes=16 << 20,
+                                     metrics_endpoint="127.0.0.1:0", bootstrap_timeout_s=10.0, **over)
         return w, client, r
 
-    yield start
-    for obj in reversed(made):
-        obj.close()
+    return start
 
 
 def test_counters_equal_what_was_sent(started):

@@ -22,23 +22,14 @@ _rooms = itertools.count(1)
 
 
 @pytest.fixture
-def pipeline(shm_prefix, tmp_path):
-    made = []
-
+def pipeline(worker_rig):
     def start(**over):
         over.setdefault("bootstrap_timeout_s", 3.0)
         over.setdefault("sim_time_per_row_s", 2e-4)  # a steady trickle through the tower
-        w = PipelineWorker(sim_config(shm_prefix, tmp_path, **over))
-        made.append(w)
-        client = Client(w.cfg.intake, shm_prefix)
-        made.append(client)
-        r = Receiver("rx", w.cfg.bootstrap, buffer_bytes=64 << 20)
-        made.append(r)
+        w, client, (r,) = worker_rig("pipeline", **over)
         return w, client, r
 
-    yield start
-    for obj in reversed(made):
-        obj.close()
+    return start
 
 
 class Load:

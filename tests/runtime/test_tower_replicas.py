@@ -11,33 +11,21 @@ import time
 import pytest
 
 from pipeline.cli import status
-from pipeline.peers.client import Client
-from pipeline.peers.receiver import Receiver
 from stages import registry
-from tests.helpers import sim_config, start_worker
 from tests.runtime.test_stage_faults import Load, crash_loop, stage_pid, wait_restarted
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture
-def replicas(shm_prefix, tmp_path):
-    made = []
-
+def replicas(worker_rig):
     def start(n: int, mode: str = "pipeline", **over):
         over.setdefault("bootstrap_timeout_s", 5.0)
         over.setdefault("sim_time_per_row_s", 5e-4)  # the device, not the host, is the bottleneck
-        w = start_worker(mode, sim_config(shm_prefix, tmp_path, tower_replicas=n, **over))
-        made.append(w)
-        client = Client(w.cfg.intake, shm_prefix)
-        made.append(client)
-        r = Receiver("rx", w.cfg.bootstrap, buffer_bytes=64 << 20)
-        made.append(r)
+        w, client, (r,) = worker_rig(mode, tower_replicas=n, **over)
         return w, client, r
 
-    yield start
-    for obj in reversed(made):
-        obj.close()
+    return start
 
 
 def tower_batches(w) -> dict[str, int]:
