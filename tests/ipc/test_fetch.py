@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(60)
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4
 
 
-def _send(h, status: int, body: bytes = b"", headers: dict | None = None, length: bool = True) -> None:
+def reply(h, status: int, body: bytes = b"", headers: dict | None = None, length: bool = True) -> None:
     h.send_response(status)
     for k, v in (headers or {}).items():
         h.send_header(k, v)
@@ -48,7 +48,7 @@ def default_routes(release: threading.Event) -> dict:
 
     def slow(h):
         release.wait(30)  # a server that does not answer within any test's budget
-        _send(h, 200, PNG)
+        reply(h, 200, PNG)
 
     def drip(h):  # headers at once, then a byte at a time: no single read waits long
         h.send_response(200)
@@ -61,15 +61,15 @@ def default_routes(release: threading.Event) -> dict:
             h.wfile.flush()
 
     return {
-        "/img.png": lambda h: _send(h, 200, PNG),
-        "/redirect": lambda h: _send(h, 302, b"", {"Location": "http://169.254.169.254/latest"}),
-        "/missing": lambda h: _send(h, 404, b"no such image"),
-        "/big": lambda h: _send(h, 200, PNG * 64),
-        "/claims-big": lambda h: _send(h, 200, PNG, {"Content-Length": str(1 << 40)}, length=False),
+        "/img.png": lambda h: reply(h, 200, PNG),
+        "/redirect": lambda h: reply(h, 302, b"", {"Location": "http://169.254.169.254/latest"}),
+        "/missing": lambda h: reply(h, 404, b"no such image"),
+        "/big": lambda h: reply(h, 200, PNG * 64),
+        "/claims-big": lambda h: reply(h, 200, PNG, {"Content-Length": str(1 << 40)}, length=False),
         "/chunked-big": lambda h: _chunked(h, PNG * 64),
-        "/unsized-big": lambda h: _send(h, 200, PNG * 64, {"Connection": "close"}, length=False),
-        "/html": lambda h: _send(h, 200, b"<html>not an image</html>"),
-        "/gzip": lambda h: _send(h, 200, PNG, {"Content-Encoding": "gzip"}),
+        "/unsized-big": lambda h: reply(h, 200, PNG * 64, {"Connection": "close"}, length=False),
+        "/html": lambda h: reply(h, 200, b"<html>not an image</html>"),
+        "/gzip": lambda h: reply(h, 200, PNG, {"Content-Encoding": "gzip"}),
         "/slow": slow,
         "/drip": drip,
     }
@@ -87,7 +87,7 @@ def http_server(routes: dict):
             Handler.seen.append((self.path, dict(self.headers)))
             route = routes.get(self.path.split("?")[0])
             if route is None:
-                _send(self, 404)
+                reply(self, 404)
             else:
                 route(self)
             self.close_connection = True
