@@ -32,6 +32,9 @@ log = logging.getLogger("epd.preprocess")
 # How often the loop looks for fetches that ended while some are out: they wait on the
 # network, so a coarser poll than POLL_S costs nothing they would notice.
 FETCH_POLL_S = 0.005
+# Fetches out or fetched and waiting for a lease, at most: each holds up to
+# media_url_max_bytes in this process's memory. Past it, URLs wait their turn (`to_fetch`).
+MAX_FETCHES = 2 * fetch.FETCH_THREADS
 
 
 class PreprocessStage(Stage):
@@ -66,6 +69,7 @@ class PreprocessStage(Stage):
         self.fetches = fetch.Fetches(urls or fetch.UrlSettings())
         self.content_key = content_key if content_key is not None else hashing.new_cache_key()
         self.fetched: deque[tuple[WorkItem, bytes]] = deque()  # in our custody, waiting for a lease
+        self.to_fetch: deque[WorkItem] = deque()  # in our custody, not yet fetching (MAX_FETCHES)
 
     def start(self) -> None:
         # The cache sends a worker nothing between its death and this (registry.last_words).
@@ -75,7 +79,8 @@ class PreprocessStage(Stage):
         match rec:
             case WorkItem(url=str()) as w:
                 self.custody.hold(w.slot, w.room)
-                self.fetches.submit(w, w.url, w.media[0])
+                self.to_fetch.append(w)
+                self._start_fetches()
             case WorkItem() as w:
                 self._item(w, source)
             case _:
@@ -87,12 +92,17 @@ class PreprocessStage(Stage):
 
     def next_tick_in(self, now: float) -> float | None:
         if self.waiting or self.fetched:
-            return POLL_S  # until the pixel arena has room
+            return POLL_S  # until the pixel arena has room (to_fetch waits on fetches or fetched)
         return FETCH_POLL_S if self.fetches.pending() else None
 
     def stats(self) -> dict:
         return {"preprocess_waiting": len(self.waiting), "preprocess_items": dict(self.outcomes),
-                "preprocess_fetching": self.fetches.pending()}
+                "preprocess_fetching": self.fetches.pending() + len(self.to_fetch)}
+
+    def _start_fetches(self) -> None:
+        while self.to_fetch and self.fetches.pending() + len(self.fetched) < MAX_FETCHES:
+            w = self.to_fetch.popleft()
+            self.fetches.submit(w, w.url, w.media[0])
 
     def _collect(self, now: float) -> None:
         """Fetches that ended: failed ones fail their rooms; fetched bytes into leases, in order."""
@@ -113,9 +123,10 @@ class PreprocessStage(Stage):
                                 f"pixel arena holds ({self.pixel_arena.size} bytes)")
                 continue
             if lease is None:
-                return  # tried again at every tick
+                break  # tried again at every tick
             self.fetched.popleft()
             self._hand_back(w, data, lease)
+        self._start_fetches()
 
     def _hand_back(self, w: WorkItem, data: bytes, lease: Lease) -> None:
         """A fetched image to the cache as though intake had read it: its bytes and their keyed hash."""

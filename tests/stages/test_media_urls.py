@@ -167,3 +167,51 @@ def test_a_refused_url_fails_its_room_alone_and_a_slow_one_holds_up_nothing(mode
     site.release.set()
     assert rx.wait({slow: 1}, 60) and slow not in rx.failed, rx.failed.get(slow)
     assert same_rows(rx, slow, good[1])
+
+
+def test_the_preprocess_stage_fetches_a_few_at_a_time_and_hands_back_keyed_bytes(shm_prefix, made):
+    """The stage on its own: at most MAX_FETCHES out at once (each holds its bytes in
+    memory), the rest waiting their turn; each fetched image goes back to the cache in a
+    lease of the pixel arena with the keyed hash intake would have taken of its bytes."""
+    import time
+
+    from ipc import hashing, shm
+    from ipc.arena import Arena
+    from ipc.fetch import UrlSettings
+    from stages.preprocess import MAX_FETCHES, PreprocessStage
+    from stages.records import PreprocessDone, WorkItem
+
+    png, fmt, grid = images("png-rgb")["png-rgb"]
+    site = Site({"/a.png": png})
+    made(site)
+    n = MAX_FETCHES + 2
+    arena = Arena.create(shm_prefix, shm.new_run_id(), "pixels", 2 * n * len(png) + (1 << 20), block_size=4096)
+    sent: list = []
+    key = hashing.new_cache_key()
+    stage = PreprocessStage(lambda dest, rec: sent.append((dest, rec)), pixel_arena=arena, settings=SETTINGS,
+                            urls=UrlSettings(hosts="127.0.0.1", timeout_s=60.0), content_key=key)
+    bounds = (SETTINGS.min_pixels, SETTINGS.max_pixels)
+    try:
+        for room in range(n):
+            stage.handle("cache", WorkItem(slot=room, room=room, item=0, seq=room, modality="image",
+                                           grid_thw=(tuple(grid),), pixel_dtype="float32", n_patches=4,
+                                           patch_dim=SETTINGS.patch_dim, span=1, pixels=None,
+                                           media=(fmt, 0, *bounds), url=site.url("/slow.png")))
+        assert stage.fetches.pending() == MAX_FETCHES and len(stage.to_fetch) == n - MAX_FETCHES
+        site.release.set()
+        end = time.monotonic() + 60
+        while len(back := [r for _, r in sent if isinstance(r, WorkItem)]) < n:
+            assert time.monotonic() < end, stage.stats()
+            stage.tick(time.monotonic())
+            time.sleep(0.01)
+        want = hashing.cache_hash(key, "image", (tuple(grid),), hashing.media_kind(fmt, *bounds, SETTINGS.backend),
+                                  png)
+        for r in back:
+            assert r.url is None and r.pixel_hash == want and r.media == (fmt, len(png), *bounds)
+            assert bytes(arena.view(r.pixels)) == png
+        assert sum(isinstance(r, PreprocessDone) for _, r in sent) == n
+        assert {dest for dest, _ in sent} == {"cache"}
+    finally:
+        stage.close()
+        arena.close()
+        arena.unlink()
