@@ -253,3 +253,26 @@ def _wait(f: Fetches, timeout: float = 20.0) -> list:
             return ended
         time.sleep(0.01)
     raise AssertionError("no fetch ended")
+
+
+def test_the_wire_takes_an_http_url_with_its_format_and_the_client_sends_one():
+    from ipc import wire
+    from pipeline.peers.client import Client, url_item
+
+    def parse(media: dict):
+        msg = {"v": wire.VERSION, "type": "encode", "request_id": "r", "room": 1,
+               "items": [{"modality": "image", "grid_thw": [[1, 4, 4]], "media": media}]}
+        return wire.parse_encode(msg, 4).items[0].pixels
+
+    px = parse({"url": "HTTPS://Images.Example.com/a.png#x", "format": "png", "max_pixels": 4096})
+    assert px.media.url == "https://images.example.com/a.png" and px.media.size == 0 and px.nbytes == 0
+    assert (px.data, px.shm, px.media.format, px.media.max_pixels) == (None, None, "png", 4096)
+    with pytest.raises(wire.ProtocolError, match="needs media.format"):
+        parse({"url": "http://example.com/a.png"})
+    with pytest.raises(wire.ProtocolError, match="user name or password"):
+        parse({"url": "http://a@example.com/a.png", "format": "png"})
+    client = Client.__new__(Client)  # message() alone: no socket
+    client.shm_prefix = None
+    msg = client.message(1, "r", [url_item("http://example.com/a.png", "jpeg", [1, 4, 4], max_pixels=4096)])
+    assert msg["items"][0]["media"] == {"format": "jpeg", "max_pixels": 4096, "url": "http://example.com/a.png"}
+    assert wire.parse_encode(msg, 4).items[0].pixels.media.url == "http://example.com/a.png"
