@@ -174,7 +174,7 @@ class CacheStage(Stage):
         if w.url is not None:
             # No bytes yet, so no key: a preprocess worker fetches and hashes them, and
             # sends the item back here, to be looked up as any compressed image.
-            self.outcomes["fetch"] += 1
+            # Not an outcome (cache_items counts each item once): preprocess_items counts fetches.
             self.emit(self._encoder_of(w), w)
             self.custody.release(w.slot, w.room)
             return
