@@ -76,8 +76,9 @@ def default_routes(release: threading.Event) -> dict:
 
 
 @contextmanager
-def http_server(routes: dict):
-    """A server on 127.0.0.1 in a thread; yields its port. `routes`: path -> fn(handler)."""
+def http_server(routes: dict, tls=None):
+    """A server on 127.0.0.1 in a thread (https with `tls`, a server SSLContext); yields
+    it. `routes`: path -> fn(handler)."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -100,6 +101,8 @@ def http_server(routes: dict):
             pass  # a client that stops reading at its cap breaks the pipe: what the tests want
 
     server = Server(("127.0.0.1", 0), Handler)
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
     server.daemon_threads = True
     server.seen = Handler.seen  # type: ignore[attr-defined]
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -276,3 +279,34 @@ def test_the_wire_takes_an_http_url_with_its_format_and_the_client_sends_one():
     msg = client.message(1, "r", [url_item("http://example.com/a.png", "jpeg", [1, 4, 4], max_pixels=4096)])
     assert msg["items"][0]["media"] == {"format": "jpeg", "max_pixels": 4096, "url": "http://example.com/a.png"}
     assert wire.parse_encode(msg, 4).items[0].pixels.media.url == "http://example.com/a.png"
+
+
+def test_https_verifies_the_certificate_against_the_name_sent_as_sni(tmp_path):
+    """The connection is pinned to the checked address, yet TLS sees the URL's name:
+    SNI and the certificate's check are the name's, and verification is on."""
+    import shutil
+    import ssl
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(cert, key)
+    names: list = []
+    server_ctx.sni_callback = lambda sock, name, ctx: names.append(name)
+    trusting = ssl.create_default_context(cafile=str(cert))
+    with http_server({"/img.png": lambda h: reply(h, 200, PNG)}, tls=server_ctx) as server:
+        port = server.server_address[1]
+        allow = AllowList("localhost, 127.0.0.0/8, ::1")
+        url = parse_url(f"https://localhost:{port}/img.png")
+        assert fetch.fetch(url, allow, 1 << 20, time.monotonic() + 10, context=trusting) == PNG
+        assert names == ["localhost"] and server.seen[-1][1]["Host"] == f"localhost:{port}"
+        with pytest.raises(FetchError, match="CERTIFICATE_VERIFY_FAILED|certificate verify failed"):
+            fetch.fetch(url, allow, 1 << 20, time.monotonic() + 10)  # the system's authorities: not ours
+        with pytest.raises(FetchError, match="match|mismatch"):  # the certificate names localhost only
+            fetch.fetch(parse_url(f"https://127.0.0.1:{port}/img.png"), allow, 1 << 20, time.monotonic() + 10,
+                        context=trusting)
