@@ -215,3 +215,22 @@ def test_the_preprocess_stage_fetches_a_few_at_a_time_and_hands_back_keyed_bytes
         stage.close()
         arena.close()
         arena.unlink()
+
+
+def test_urls_with_two_preprocess_workers(shm_prefix, tmp_path, made):
+    """A fetched image comes back to the cache from one worker and may be decoded by the
+    other: its lease passes from the fetching worker's hands whichever it was."""
+    imgs = images("png-rgb", "jpeg-rgb", "webp-lossy", "png-rgba")
+    files = {f"/{name}": data for name, (data, _, _) in imgs.items()}
+    site, w, client, rx = setup("pipeline", shm_prefix, tmp_path, made, files, preprocess_workers=2)
+    bounds = dict(min_pixels=SETTINGS.min_pixels, max_pixels=SETTINGS.max_pixels)
+    pairs = {name: (send(client, rx, url_item(site.url(f"/{name}"), fmt, grid, **bounds)),
+                    send(client, rx, url_item(site.url(f"/{name}?again"), fmt, grid, **bounds)))
+             for name, (_, fmt, grid) in imgs.items()}
+    assert rx.wait({r: 1 for pair in pairs.values() for r in pair}, 60), "some room never concluded"
+    for name, (a, b) in pairs.items():
+        assert a not in rx.failed and b not in rx.failed, (name, rx.failed)
+        assert same_rows(rx, a, b), name
+    stats = w.stats()
+    assert stats["preprocess_items"].get("fetched") == 2 * len(imgs), stats["preprocess_items"]
+    assert stats["preprocess_items"].get("decoded") == len(imgs), stats["preprocess_items"]
