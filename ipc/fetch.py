@@ -127,9 +127,20 @@ class AllowList:
         return any(ip in net for net in self.networks)
 
 
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
 def _public(ip: IPAddress) -> bool:
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped  # ::ffff:127.0.0.1 reaches 127.0.0.1
+    if isinstance(ip, ipaddress.IPv6Address):
+        # An IPv6 address that carries an IPv4 one reaches that one (::ffff:127.0.0.1
+        # here; 6to4, Teredo and NAT64 through a gateway): it is judged as that one too.
+        inner = [ip.ipv4_mapped, ip.sixtofour, ip.teredo[1] if ip.teredo else None]
+        if ip in _NAT64:
+            inner.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+        if any(v4 is not None and not _public(v4) for v4 in inner):
+            return False
+        if ip.ipv4_mapped is not None:
+            return True
     return ip.is_global and not ip.is_multicast and not ip.is_reserved
 
 

@@ -235,6 +235,8 @@ def test_parsed_urls_keep_what_is_sent():
     ("8.8.8.8", True), ("2606:4700::1111", True), ("127.0.0.1", False), ("10.1.2.3", False),
     ("169.254.169.254", False), ("100.64.0.1", False), ("0.0.0.0", False), ("224.0.0.1", False),
     ("::1", False), ("::ffff:127.0.0.1", False), ("fe80::1", False), ("fc00::1", False), ("240.0.0.1", False),
+    ("::ffff:8.8.8.8", True), ("2002:7f00:1::1", False), ("2002:0808:0808::1", True), ("64:ff9b::a00:1", False),
+    ("2001:0:4136:e378:8000:63bf:f5ff:fffe", False),  # Teredo, its client 10.0.0.1
 ])
 def test_only_global_addresses_pass_unlisted(address, public):
     assert fetch._public(ipaddress.ip_address(address)) is public
