@@ -57,6 +57,13 @@ def cache_hasher(key: bytes, modality: str, grid_thw, pixel_dtype: str):
     return h
 
 
+def media_kind(fmt: str, min_pixels: int, max_pixels: int, backend: str) -> str:
+    """The `pixel_dtype` a compressed image's bytes are hashed under: its settings, so
+    that the same bytes under other settings (other patches) are another entry. Intake
+    hashes inline and segment bytes with it, the preprocess stage fetched ones."""
+    return f"media|{fmt}|{min_pixels}|{max_pixels}|{backend}"
+
+
 def _hash_header(modality: str, grid_thw, pixel_dtype: str) -> bytes:
     return f"{modality}|{pixel_dtype}|".encode() + struct.pack(
         f"<{3 * len(grid_thw)}q", *(x for g in grid_thw for x in g)

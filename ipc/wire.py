@@ -16,6 +16,8 @@ from typing import TypeGuard
 import msgpack
 import xxhash
 
+from ipc import fetch
+
 VERSION = 1
 U64_MAX = 2**64 - 1
 DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -113,6 +115,7 @@ class MediaRef:
     size: int
     min_pixels: int = 0
     max_pixels: int = 0
+    url: str = ""  # an http(s) URL to fetch the bytes from (size 0 until then)
 
 
 @dataclass
@@ -233,12 +236,13 @@ def _parse_item(i: int, it) -> EncodeItem:
 
 MEDIA_FORMATS = ("jpeg", "png", "webp")
 MAX_MEDIA_PIXELS = 1 << 30  # bounds on min_pixels and max_pixels as numbers; the worker has its own
+_HTTP = ("http://", "https://")
 _DATA_URL = re.compile(r"data:image/(jpeg|jpg|png|webp);base64,", re.I)
 
 
 def _parse_media(i: int, m) -> PixelsRef:
     """An item's `media` map: the file's bytes inline (`data`), in a segment (`shm` and
-    `size`) or as a base64 `data:` URL (`url`), with its `format`."""
+    `size`), as a base64 `data:` URL or at an http(s) URL (`url`), with its `format`."""
     if not isinstance(m, dict):
         raise ProtocolError(f"item {i}: media must be a map")
     bounds = []
@@ -252,17 +256,25 @@ def _parse_media(i: int, m) -> PixelsRef:
     sources = [k for k in ("data", "shm", "url") if k in m]
     if len(sources) != 1:
         raise ProtocolError(f"item {i}: media must have exactly one of 'data', 'shm' or 'url'")
-    fmt, data, shm = m.get("format"), None, None
-    if sources[0] == "url":
-        url = m["url"]
-        match = _DATA_URL.match(url) if isinstance(url, str) else None
+    fmt, data, shm, url = m.get("format"), None, None, ""
+    if sources[0] == "url" and isinstance(m["url"], str) and m["url"][:8].lower().startswith(_HTTP):
+        # Fetched by the preprocess stage where the worker allows its host (intake checks);
+        # its size is known only then, and its format is the sender's to say.
+        try:
+            url = str(fetch.parse_url(m["url"]))
+        except ValueError as e:
+            raise ProtocolError(f"item {i}: media.url: {e}") from None
+        if fmt not in MEDIA_FORMATS:
+            raise ProtocolError(f"item {i}: an http(s) media.url needs media.format ({', '.join(MEDIA_FORMATS)})")
+    elif sources[0] == "url":
+        text = m["url"]
+        match = _DATA_URL.match(text) if isinstance(text, str) else None
         if match is None:
             raise ProtocolError(
-                f"item {i}: media.url must be a data:image/(jpeg|png|webp);base64, URL "
-                f"(this worker fetches no http(s) URL)"
+                f"item {i}: media.url must be a data:image/(jpeg|png|webp);base64, URL or an http(s) URL"
             )
         try:
-            data = base64.b64decode(url[match.end() :], validate=True)
+            data = base64.b64decode(text[match.end() :], validate=True)
         except ValueError:
             raise ProtocolError(f"item {i}: media.url is not valid base64") from None
         fmt = fmt or {"jpg": "jpeg"}.get(match.group(1).lower(), match.group(1).lower())
@@ -276,11 +288,11 @@ def _parse_media(i: int, m) -> PixelsRef:
             raise ProtocolError(f"item {i}: media.shm must be a string")
     if fmt not in MEDIA_FORMATS:
         raise ProtocolError(f"item {i}: media.format must be one of {', '.join(MEDIA_FORMATS)}, got {fmt!r}")
-    size = len(data) if data is not None else m.get("size")
-    if not (is_int(size) and 1 <= size <= 1 << 40):
+    size = len(data) if data is not None else 0 if url else m.get("size")
+    if not (is_int(size) and (1 <= size <= 1 << 40 or (url and size == 0))):
         raise ProtocolError(f"item {i}: media must have 1 or more bytes (media.size with media.shm)")
     return PixelsRef(
-        shape=(size, 1), dtype="float32", shm=shm, data=data, media=MediaRef(fmt, size, bounds[0], bounds[1])
+        shape=(size, 1), dtype="float32", shm=shm, data=data, media=MediaRef(fmt, size, bounds[0], bounds[1], url)
     )
 
 

@@ -12,7 +12,7 @@ from stages import registry
 from stages.base import POLL_S, Stage
 from stages.embedding_cache import EmbeddingCache, InflightMisses, cache_key, make_key
 from stages.store_tier import StoreSettings, StoreTier, tower_identity
-from stages.records import (OWNER_CACHE, OWNER_INTAKE, Encoded, EncodeFailed, PreprocessDone, PreprocessDown,
+from stages.records import (OWNER_CACHE, Encoded, EncodeFailed, PreprocessDone, PreprocessDown,
                             PreprocessRestarted, ReadyItem, RoomAbandoned, RoomFailure, SpaceWanted, WorkItem)
 
 
@@ -41,6 +41,10 @@ class CacheStage(Stage):
     `PreprocessRestarted`, and its count is dropped: the successor takes again what the
     dead one had not released from its ring and reports each done (the count stops at
     zero), so nothing the dead one took stays counted for ever, whatever became of it.
+
+    An image at an http(s) URL has no bytes to key yet: it goes to a preprocess worker
+    (chosen as a miss is) to be fetched, and comes back with its bytes and their keyed
+    hash, to be looked up as any compressed image: a repeat at any URL skips the decode.
     """
 
     name = registry.CACHE
@@ -79,7 +83,7 @@ class CacheStage(Stage):
     def handle(self, source: str, rec) -> None:
         match rec:
             case WorkItem():
-                self._item(rec)
+                self._item(rec, source)
             case Encoded(item=w):
                 self._encoded(w, source)
             case EncodeFailed(item=w, reason=reason, rooms=rooms):
@@ -165,15 +169,22 @@ class CacheStage(Stage):
         except StaleLease:
             pass
 
-    def _item(self, w: WorkItem) -> None:
+    def _item(self, w: WorkItem, source: str = registry.INTAKE) -> None:
         self.custody.hold(w.slot, w.room)
+        if w.url is not None:
+            # No bytes yet, so no key: a preprocess worker fetches and hashes them, and
+            # sends the item back here, to be looked up as any compressed image.
+            # Not an outcome (cache_items counts each item once): preprocess_items counts fetches.
+            self.emit(self._encoder_of(w), w)
+            self.custody.release(w.slot, w.room)
+            return
         try:
-            self.pixel_arena.transfer(w.pixels, OWNER_INTAKE, OWNER_CACHE)
+            self.pixel_arena.transfer(w.pixels, registry.owner_of(source), OWNER_CACHE)
             w = replace(w, key=self.key_of(w))
             self.flush_inserts()  # a key encoded a moment ago is a hit, not a second encode
             lease = self.cache.lookup(w.key, OWNER_CACHE)
-        except StaleLease:  # the pixels were reclaimed from a dead intake
-            self.emit(registry.REAPER, RoomFailure(w.slot, w.room, "pixels were lost before hashing (intake died)",
+        except StaleLease:  # the pixels were reclaimed from a dead intake (or preprocess worker)
+            self.emit(registry.REAPER, RoomFailure(w.slot, w.room, f"pixels were lost before hashing ({source} died)",
                                                    ReasonCode.STAGE_DIED))
             self.custody.release(w.slot, w.room)
             return

@@ -6,8 +6,9 @@ import time
 from collections import Counter
 from typing import NamedTuple
 
-from ipc import hashing, wire
+from ipc import fetch, hashing, wire
 from ipc.arena import Arena, ArenaFull, Lease
+from ipc.fetch import AllowList
 from ipc.rooms import RoomState, RoomTable, TableFull
 from ipc.stats import ReasonCode, reason_class
 from ipc.wire import ProtocolError
@@ -56,10 +57,11 @@ class IntakeStage(Stage):
                  max_pixel_bytes_per_request: int, max_live_rooms: int, trust_client_hash: bool = False,
                  custody=None, endpoint: str = "", max_frame: int = 0, journal=None,
                  content_key: bytes | None = None, image_pixels: tuple[int, int] = (56 * 56, 28 * 28 * 1280),
-                 image_backend: str = "pil"):
+                 image_backend: str = "pil", url_hosts: AllowList | None = None):
         super().__init__(emit, custody)
         self.image_pixels = image_pixels  # compressed images' min_pixels and max_pixels where an item gives none
         self.image_backend = image_backend  # whose processor's pixels the preprocess stage makes of them
+        self.url_hosts = url_hosts or AllowList()  # http(s) media.url hosts (media_url_hosts): none, none taken
         # Pixels are hashed under the run's secret key (the cache keys items by it): no peer can compute a key.
         self.content_key = content_key if content_key is not None else hashing.new_cache_key()
         self.content_key_id = hashing.cache_key_id(self.content_key)
@@ -199,6 +201,7 @@ class IntakeStage(Stage):
         if self.refusing:
             raise ProtocolError(self.refusing)
         req = wire.parse_encode(msg, self.max_items)
+        self._check_urls(req)
         spans = [wire.check_item_against_tower(i, it, self.patch_dim, self.merge)
                  for i, it in enumerate(req.items)]
         for i, span in enumerate(spans):
@@ -222,6 +225,21 @@ class IntakeStage(Stage):
             raise ProtocolError(
                 f"worker is at its limit of {self.max_live_rooms} live rooms (max_live_rooms)")
         return req, spans
+
+    def _check_urls(self, req: wire.EncodeRequest) -> None:
+        """An http(s) media.url's host must be allowed; only as written (no resolution
+        here, in the one process that serves every gateway: the fetch checks addresses)."""
+        for i, it in enumerate(req.items):
+            url = it.pixels.media.url if it.pixels.media is not None else ""
+            if not url:
+                continue
+            if not self.url_hosts:
+                raise ProtocolError(f"item {i}: media.url is an http(s) URL, and this worker fetches no http(s) "
+                                    f"URL (media_url_hosts is empty)")
+            host = fetch.parse_url(url).host
+            if not self.url_hosts.allows_host(host):
+                raise ProtocolError(f"item {i}: media.url's host {host} is not one this worker fetches from "
+                                    f"(media_url_hosts)")
 
     def _open_room(self, msg: dict, req: wire.EncodeRequest, spans: list[int], room: int, rid: str,
                    arrival: float, keys: tuple[int, ...]) -> bool:
@@ -253,22 +271,26 @@ class IntakeStage(Stage):
             n_patches, patch_dim = it.pixels.shape
             if it.pixels.media is not None:  # the preprocess stage makes the patches, as float32
                 n_patches, patch_dim = sum(t * gh * gw for t, gh, gw in it.grid_thw), self.patch_dim
+            url = (it.pixels.media.url or None) if it.pixels.media is not None else None
             self.emit(registry.CACHE, WorkItem(
                 slot=slot, room=room, item=i, seq=self._seq, modality=it.modality,
                 grid_thw=tuple(tuple(g) for g in it.grid_thw), pixel_dtype=it.pixels.dtype,
                 n_patches=n_patches, patch_dim=patch_dim, span=span,
                 pixels=lease, client_hash=it.hash, pixel_hash=h, cache_salt=req.cache_salt,
-                media=self._media(it.pixels.media)))
+                media=self._media(it.pixels.media), url=url))
         self.rooms.advance(slot, room, RoomState.QUEUED)
         self.custody.release(slot, room)
         return True
 
-    def _alloc_pixels(self, req: wire.EncodeRequest) -> list[Lease] | None:
+    def _alloc_pixels(self, req: wire.EncodeRequest) -> list[Lease | None] | None:
         """A lease in the pixel arena for each item, or None (and none taken) if it is full."""
-        if not self.pixel_arena.room_for([it.pixels.nbytes for it in req.items]):
+        if not self.pixel_arena.room_for([it.pixels.nbytes for it in req.items if not _fetched(it)]):
             return None  # tried again at every tick while it waits: cheaply
-        leases: list[Lease] = []
+        leases: list[Lease | None] = []
         for it in req.items:
+            if _fetched(it):  # its bytes are the preprocess stage's to fetch, and lease
+                leases.append(None)
+                continue
             try:
                 lease = self.pixel_arena.alloc(it.pixels.nbytes, OWNER_INTAKE)
             except ArenaFull:  # every lease slot is live: as short of room as no space, waited for alike
@@ -279,11 +301,12 @@ class IntakeStage(Stage):
             leases.append(lease)
         return leases
 
-    def _give_back(self, leases: list[Lease]) -> None:
+    def _give_back(self, leases: list[Lease | None]) -> None:
         for lease in leases:
-            self.pixel_arena.drop(lease, OWNER_INTAKE)
+            if lease is not None:
+                self.pixel_arena.drop(lease, OWNER_INTAKE)
 
-    def _read_pixels(self, msg: dict, req: wire.EncodeRequest, leases: list[Lease]) -> list[bytes | None]:
+    def _read_pixels(self, msg: dict, req: wire.EncodeRequest, leases: list[Lease | None]) -> list[bytes | None]:
         """Each item's pixels into its lease, and their content hash (None where the cache
         keys the item by the client's hash). The segments are closed before it returns."""
         taken = segments.take(self.prefix, wire.shm_names(msg))
@@ -301,14 +324,16 @@ class IntakeStage(Stage):
             return None
         return (m.format, m.size, m.min_pixels or self.image_pixels[0], m.max_pixels or self.image_pixels[1])
 
-    def _read_item(self, it: wire.EncodeItem, taken: dict, lease: Lease) -> bytes | None:
+    def _read_item(self, it: wire.EncodeItem, taken: dict, lease: Lease | None) -> bytes | None:
+        if lease is None:  # fetched and hashed by the preprocess stage
+            return None
         # Hashed as it is read: the cache stage would read the bytes again from memory.
         # A compressed image's bytes are hashed with its settings (what else makes its
         # patches is the tower's, which the cache key names): a repeat skips the decode.
         kind = it.pixels.dtype
         if it.pixels.media is not None:
             fmt, _, lo, hi = self._media(it.pixels.media)
-            kind = f"media|{fmt}|{lo}|{hi}|{self.image_backend}"
+            kind = hashing.media_kind(fmt, lo, hi, self.image_backend)
         hasher = (None if self.trust_client_hash and it.hash is not None
                   else hashing.cache_hasher(self.content_key, it.modality, it.grid_thw, kind))
         view = self.pixel_arena.view(lease)
@@ -367,6 +392,10 @@ class IntakeStage(Stage):
             log.warning(text)
 
 
+def _fetched(it: wire.EncodeItem) -> bool:
+    return it.pixels.media is not None and bool(it.pixels.media.url)
+
+
 def build(env, name, emit, custody) -> IntakeStage:
     cfg, spec = env.cfg, env.spec
     # Inline pixels of a whole request, and room for its item list.
@@ -379,4 +408,5 @@ def build(env, name, emit, custody) -> IntakeStage:
                        max_live_rooms=cfg.max_live_rooms, trust_client_hash=cfg.trust_client_hash,
                        custody=custody, endpoint=cfg.intake, max_frame=max_frame, journal=env.journal,
                        content_key=cache_key(cfg.cache_key_file, cfg.shm_prefix, env.run_id),
-                       image_pixels=(cfg.image_min_pixels, cfg.image_max_pixels), image_backend=cfg.image_backend)
+                       image_pixels=(cfg.image_min_pixels, cfg.image_max_pixels), image_backend=cfg.image_backend,
+                       url_hosts=AllowList(cfg.media_url_hosts))

@@ -5,6 +5,10 @@ code on bytes a peer chose: a decoder that crashes or hangs takes this process a
 and the supervisor fails exactly the rooms it held and starts another. With
 `preprocess_workers` N > 1 there are N such stages (`preprocess0` ..), each with its own
 owner number and rings; the cache spreads the misses among them.
+
+It also fetches images at http(s) URLs (ipc/fetch.py), for the same reason (the server
+is the peer's to choose, the bytes too), on a few threads of its process so that its
+loop goes on answering its rings while they wait on the network.
 """
 from __future__ import annotations
 
@@ -16,14 +20,21 @@ from dataclasses import replace
 
 import numpy as np
 
-from ipc import media
+from ipc import fetch, hashing, media
 from ipc.arena import Arena, ArenaFull, Lease, StaleLease
 from ipc.stats import ReasonCode
 from stages import registry
 from stages.base import POLL_S, Stage
+from stages.embedding_cache import cache_key
 from stages.records import EncodeFailed, PreprocessDone, PreprocessRestarted, RoomFailure, WorkItem
 
 log = logging.getLogger("epd.preprocess")
+# How often the loop looks for fetches that ended while some are out: they wait on the
+# network, so a coarser poll than POLL_S costs nothing they would notice.
+FETCH_POLL_S = 0.005
+# Fetches out or fetched and waiting for a lease, at most: each holds up to
+# media_url_max_bytes in this process's memory. Past it, URLs wait their turn (`to_fetch`).
+MAX_FETCHES = 2 * fetch.FETCH_THREADS
 
 
 class PreprocessStage(Stage):
@@ -37,10 +48,16 @@ class PreprocessStage(Stage):
 
     Every item that leaves, whatever its end, is a `PreprocessDone` to the cache, which
     counts the items outstanding at each worker. `name` is the worker's stage name
-    (stages/registry.py), which gives its owner number."""
+    (stages/registry.py), which gives its owner number.
+
+    An item with a `url` (no bytes yet) is fetched by `fetches`; its bytes take a lease
+    of their own (waiting in `fetched` while the arena has none), are hashed as intake
+    hashes inline bytes (under `content_key`, the run's), and the item goes back to the
+    cache to be looked up. A URL that is not fetched fails its room here, saying why."""
 
     def __init__(self, emit, *, pixel_arena: Arena, settings: media.ImageSettings, custody=None,
-                 name: str = registry.PREPROCESS):
+                 name: str = registry.PREPROCESS, urls: fetch.UrlSettings | None = None,
+                 content_key: bytes | None = None):
         super().__init__(emit, custody)
         self.name = name
         self.worker = registry.worker_of(name)
@@ -49,6 +66,10 @@ class PreprocessStage(Stage):
         self.settings = settings
         self.waiting: deque[WorkItem] = deque()  # in our custody, their bytes ours, patches not leased yet
         self.outcomes = Counter()
+        self.fetches = fetch.Fetches(urls or fetch.UrlSettings())
+        self.content_key = content_key if content_key is not None else hashing.new_cache_key()
+        self.fetched: deque[tuple[WorkItem, bytes]] = deque()  # in our custody, waiting for a lease
+        self.to_fetch: deque[WorkItem] = deque()  # in our custody, not yet fetching (MAX_FETCHES)
 
     def start(self) -> None:
         # The cache sends a worker nothing between its death and this (registry.last_words).
@@ -56,19 +77,74 @@ class PreprocessStage(Stage):
 
     def handle(self, source: str, rec) -> None:
         match rec:
+            case WorkItem(url=str()) as w:
+                self.custody.hold(w.slot, w.room)
+                self.to_fetch.append(w)
+                self._start_fetches()
             case WorkItem() as w:
                 self._item(w, source)
             case _:
                 raise ValueError(f"preprocess: unexpected record from {source}: {rec!r}")
 
     def tick(self, now: float) -> None:
+        self._collect(now)
         self._drain()
 
     def next_tick_in(self, now: float) -> float | None:
-        return POLL_S if self.waiting else None  # until the pixel arena has room
+        if self.waiting or self.fetched:
+            return POLL_S  # until the pixel arena has room (to_fetch waits on fetches or fetched)
+        return FETCH_POLL_S if self.fetches.pending() else None
 
     def stats(self) -> dict:
-        return {"preprocess_waiting": len(self.waiting), "preprocess_items": dict(self.outcomes)}
+        return {"preprocess_waiting": len(self.waiting), "preprocess_items": dict(self.outcomes),
+                "preprocess_fetching": self.fetches.pending() + len(self.to_fetch)}
+
+    def _start_fetches(self) -> None:
+        while self.to_fetch and self.fetches.pending() + len(self.fetched) < MAX_FETCHES:
+            w = self.to_fetch.popleft()
+            self.fetches.submit(w, w.url, w.media[0])
+
+    def _collect(self, now: float) -> None:
+        """Fetches that ended: failed ones fail their rooms; fetched bytes into leases, in order."""
+        for w, data, reason in self.fetches.done(now):
+            if data is None:
+                self._refuse(w, f"item {w.item}: media.url {w.url}: {reason}")
+            else:
+                self.fetched.append((w, data))
+        while self.fetched:
+            w, data = self.fetched[0]
+            try:
+                lease = self.pixel_arena.alloc(len(data), self.owner)
+            except ArenaFull:
+                lease = None
+            except ValueError:
+                self.fetched.popleft()
+                self._refuse(w, f"item {w.item}: media.url {w.url}: its {len(data)} bytes are more than the "
+                                f"pixel arena holds ({self.pixel_arena.size} bytes)")
+                continue
+            if lease is None:
+                break  # tried again at every tick
+            self.fetched.popleft()
+            self._hand_back(w, data, lease)
+        self._start_fetches()
+
+    def _hand_back(self, w: WorkItem, data: bytes, lease: Lease) -> None:
+        """A fetched image to the cache as though intake had read it: its bytes and their keyed hash."""
+        self.pixel_arena.view(lease)[:] = data
+        fmt, _size, lo, hi = w.media
+        h = hashing.cache_hash(self.content_key, w.modality, w.grid_thw,
+                               hashing.media_kind(fmt, lo, hi, self.settings.backend), data)
+        self.outcomes["fetched"] += 1
+        self.emit(registry.CACHE, replace(w, pixels=lease, pixel_hash=h, url=None, media=(fmt, len(data), lo, hi)))
+        self.emit(registry.CACHE, PreprocessDone(self.worker))
+        self.custody.release(w.slot, w.room)
+
+    def _refuse(self, w: WorkItem, reason: str) -> None:
+        self.outcomes["fetch_failed"] += 1
+        log.debug("image not fetched: room=%d item=%d reason=%s", w.room, w.item, reason)
+        self.emit(registry.REAPER, RoomFailure(w.slot, w.room, reason, ReasonCode.BAD_REQUEST))
+        self.emit(registry.CACHE, PreprocessDone(self.worker))
+        self.custody.release(w.slot, w.room)
 
     def _item(self, w: WorkItem, source: str) -> None:
         self.custody.hold(w.slot, w.room)
@@ -148,6 +224,7 @@ class PreprocessStage(Stage):
             pass
 
     def close(self) -> None:
+        self.fetches.close()
         while self.waiting:
             self._drop(self.waiting.popleft().pixels)
 
@@ -182,6 +259,13 @@ def _processor_config(path: str) -> dict | None:
     return None
 
 
+def url_settings(cfg) -> fetch.UrlSettings:
+    """The operator's rules for http(s) media URLs (media_url_*)."""
+    return fetch.UrlSettings(cfg.media_url_hosts, cfg.media_url_max_bytes, cfg.media_url_timeout_s)
+
+
 def build(env, name, emit, custody) -> PreprocessStage:
-    return PreprocessStage(emit, pixel_arena=env.shared.pixel_arena, settings=image_settings(env.cfg, env.spec),
-                           custody=custody, name=name)
+    cfg = env.cfg
+    return PreprocessStage(emit, pixel_arena=env.shared.pixel_arena, settings=image_settings(cfg, env.spec),
+                           custody=custody, name=name, urls=url_settings(cfg),
+                           content_key=cache_key(cfg.cache_key_file, cfg.shm_prefix, env.run_id))

@@ -14,6 +14,8 @@ tower replica (stages/registry.py), and a tower's records to the scheduler name 
 | WorkItem | intake | cache | one item: its pixels in the pixel arena, grid, dtype, span |
 | WorkItem | cache | scheduler | a miss (its cache key set), to be encoded |
 | WorkItem | cache | preprocess | a miss of a compressed image, to be decoded into patches |
+| WorkItem | cache | preprocess | an image at an http(s) URL (no key yet), to be fetched |
+| WorkItem | preprocess | cache | a fetched image: its bytes in the pixel arena and their keyed hash (`url` None), keyed and looked up as any compressed image |
 | WorkItem | preprocess | scheduler | the same, its patches now in the pixel arena (`media` None) |
 | EncodeFailed | preprocess | cache | a compressed image that does not decode, with the reason |
 | PreprocessDone | preprocess | cache | one item left that worker (decoded, failed or lost): one fewer outstanding there |
@@ -31,7 +33,7 @@ tower replica (stages/registry.py), and a tower's records to the scheduler name 
 | RoomFailure | intake | reaper | a request that broke a rule |
 | RoomFailure | cache | reaper | pixels lost, or the tower failed on a room's item |
 | RoomFailure | scheduler | reaper | pixels lost before scheduling |
-| RoomFailure | preprocess | reaper | a compressed image's bytes lost before decoding |
+| RoomFailure | preprocess | reaper | a compressed image's bytes lost before decoding, or a URL not fetched (the reason why) |
 | RoomFailure | tower | reaper | pixels or output space lost |
 | RoomFailure | sender | reaper | a bad alloc, a failed write, a cancel, a bootstrap timeout |
 | Registered | sender | reaper | a receiver (re)registered (already in the receiver table): its status endpoint |
@@ -106,6 +108,9 @@ class WorkItem:
     # preprocess stage decodes it, `pixels` holds the file's bytes, and pixel_hash is the
     # keyed hash of those bytes and the settings (so a repeated image skips the decode).
     media: tuple | None = None
+    # An http(s) URL the preprocess stage fetches the image's bytes from (protocol 1.2):
+    # until then `pixels` and `pixel_hash` are None, and the item has no cache key.
+    url: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from ipc import shm
+from ipc.fetch import AllowList
 from pipeline.ops.exposure import exposure_problem
 from stages import registry
 from stages.embedding_cache import read_key_file
@@ -146,6 +147,14 @@ class WorkerConfig:
                                         "preprocess stage then loads torch)")
     max_decoded_pixels: int = setting(64 << 20, "compressed images: an image larger than this many pixels as "
                                                 "decoded fails its room, from its header, before any decode")
+    media_url_hosts: str = setting("", "compressed images: the hosts an item's media.url may name over http(s), "
+                                       "separated by commas: names (matched exactly), IP addresses or networks "
+                                       "(10.0.0.0/8); a name must resolve to global addresses only, unless they "
+                                       "are listed too; '' (the default): no URL is fetched")
+    media_url_max_bytes: int = size_setting(32 << 20, "compressed images: a URL's image larger than this fails "
+                                                      "its room")
+    media_url_timeout_s: float = setting(10.0, "compressed images: a URL's fetch (resolve, connect, headers, "
+                                               "body) not done by then fails its room")
     cache_key_file: str = setting("", "a file of the key pixels are hashed under for the cache (32 bytes, or 64 "
                                       "hex digits; not readable by every user), to share one key among "
                                       "workers; '' for a random key of each run")
@@ -222,6 +231,12 @@ class WorkerConfig:
             out += [self.tokenspeed_bootstrap, f"{host}:{int(port) + 1}"]  # its frame socket
         return [e for e in out if e]
 
+    def _check_media_url_hosts(self) -> None:
+        try:
+            AllowList(self.media_url_hosts)
+        except ValueError as e:
+            raise ConfigError(f"media_url_hosts: {e}", "media_url_hosts") from None
+
     def _check_status_ipc_dirs(self) -> None:
         for d in filter(None, self.status_ipc_dirs.split(",")):
             if not os.path.isabs(d) or not os.path.isdir(d):
@@ -294,7 +309,7 @@ class WorkerConfig:
             "max_items_per_batch", "pixel_arena_bytes", "embedding_arena_bytes",
             "max_tombstones", "max_live_rooms", "max_held_allocs", "status_hwm", "ring_bytes",
             "max_status_sockets", "max_receivers_per_key",
-            "restart_limit", "image_min_pixels", "image_max_pixels", "max_decoded_pixels",
+            "restart_limit", "image_min_pixels", "image_max_pixels", "max_decoded_pixels", "media_url_max_bytes",
         ]
         for name in positive:
             if getattr(self, name) < 1:
@@ -316,7 +331,7 @@ class WorkerConfig:
                               f"replica, tower_replicas), got {self.gpus!r}", "gpus")
         for name in ["bootstrap_timeout_s", "tombstone_ttl_s", "heartbeat_timeout_s",
                      "restart_window_s", "start_timeout_s", "stage_start_timeout_s", "status_socket_idle_s",
-                     "registration_idle_s",
+                     "registration_idle_s", "media_url_timeout_s",
                      "max_deadline_s"]:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}", name)
@@ -361,6 +376,7 @@ class WorkerConfig:
         parse_numa(self.numa, self.tower_replicas, self.preprocess_workers)
         self._check_status_ipc_dirs()
         self._validate_shared_cache()
+        self._check_media_url_hosts()
         return self
 
     def _validate_shared_cache(self) -> None:

@@ -80,6 +80,8 @@ def totals_of(stats: dict) -> Totals:
         c[("epd_refused_total", (kind,))] = n
     for outcome, n in stats.get("cache_items", {}).items():
         c[("epd_items_total", (outcome,))] = n
+    for outcome, n in stats.get("preprocess_items", {}).items():
+        c[("epd_preprocess_items_total", (outcome,))] = n
     for what in ("gets", "puts"):
         for outcome, n in stats.get(f"store_{what}", {}).items():
             c[(f"epd_store_{what}_total", (outcome,))] = n
@@ -173,6 +175,9 @@ _COUNTERS = [
     ("epd_items_total", "Items by cache outcome: hit_arena, hit_host (promoted), miss (encoded), "
      "inflight_duplicate (waited for an identical item being encoded)",
      ("cache",), [("hit_arena",), ("hit_host",), ("miss",), ("inflight_duplicate",)]),
+    ("epd_preprocess_items_total", "Compressed images the preprocess workers took, by outcome: decoded, "
+     "failed (did not decode), fetched (an http(s) media.url's bytes, then looked up in the cache), "
+     "fetch_failed (the URL's room failed with why)", ("outcome",), []),
     ("epd_store_gets_total", "Lookups of the shared store (store_master), by outcome: hit, miss, rejected "
      "(the value failed its size or digest check), failed (the call failed: the master gone), timeout (no "
      "answer within store_get_timeout_s), skipped (not asked: not connected, or a call stuck past its "

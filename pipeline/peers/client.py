@@ -24,7 +24,8 @@ class Item:
 
     A compressed image (protocol 1.2, `image_item`): `pixels` holds the file's bytes
     (uint8), `media` its format, and min_pixels/max_pixels the processor's bounds (0: the
-    worker's); the worker decodes it."""
+    worker's); the worker decodes it. One at an http(s) URL (`url_item`): `url` instead of
+    bytes (`pixels` empty), fetched by a worker that allows its host (media_url_hosts)."""
     modality: str
     grid_thw: list
     pixels: np.ndarray
@@ -33,6 +34,7 @@ class Item:
     media: str | None = None
     min_pixels: int = 0
     max_pixels: int = 0
+    url: str | None = None
 
     def dtype_name(self) -> str:
         if self.media is not None:
@@ -112,7 +114,9 @@ class Client:
                                                                   ("max_pixels", it.max_pixels)) if v}}
                 else:
                     px = {"shape": list(it.pixels.shape), "dtype": it.dtype_name()}
-                if inline:
+                if it.url is not None:
+                    px["url"] = it.url
+                elif inline:
                     px["data"] = np.ascontiguousarray(it.pixels).tobytes()
                 else:
                     px["shm"] = self.publish(it.pixels)
@@ -208,6 +212,15 @@ def image_item(data: bytes, fmt: str, *, min_pixels: int, max_pixels: int, patch
                 min_pixels=min_pixels, max_pixels=max_pixels)
 
 
+def url_item(url: str, fmt: str, grid_thw, *, min_pixels: int = 0, max_pixels: int = 0) -> Item:
+    """A compressed image at an http(s) URL as an item. The worker fetches it (where its
+    media_url_hosts allows the host), so the caller gives its grid: the one the
+    processor makes of the image under min_pixels and max_pixels (0: the worker's), as
+    `image_item` reads it from the file's header; a grid that is not fails the room."""
+    return Item("image", [list(grid_thw)], np.zeros(0, dtype=np.uint8), media=fmt,
+                min_pixels=min_pixels, max_pixels=max_pixels, url=url)
+
+
 def routing_key(items: list[Item]) -> int:
     """A room's key on the ring: its first item's unkeyed content hash, so that a repeated
     image goes to the same worker (or the item's own `hash` when the gateway gives one).
@@ -215,6 +228,8 @@ def routing_key(items: list[Item]) -> int:
     first = items[0]
     if first.hash is not None:
         return first.hash
+    if first.url is not None:  # the worker alone sees its bytes: the same URL goes to the same worker
+        return content_hash(first.modality, first.grid_thw, first.dtype_name(), first.url.encode())
     return content_hash(first.modality, first.grid_thw, first.dtype_name(),
                         np.ascontiguousarray(first.pixels))
 

@@ -1458,3 +1458,68 @@ def test_rooms_of_other_keys_under_curve(mode, shm_prefix, tmp_path, certs):
     finally:
         for obj in reversed(made):
             obj.close()
+
+
+# ---------------------------------------------------------------- http(s) media URLs (issue #35)
+from tests.ipc.test_fetch import default_routes, http_server  # noqa: E402
+
+URL_CAP = 4096  # media_url_max_bytes of the worker below: the test server's big bodies pass it
+
+
+def _url_cases(port: int) -> list[tuple[str, object, str]]:
+    """(name, media.url, what the room's failure says): URLs a hostile gateway may send a
+    worker that fetches from 127.0.0.1 only, each failing its own room."""
+    local = f"http://127.0.0.1:{port}"
+    return [
+        ("not a string", 7, "media.url must be"),
+        ("file scheme", "file:///etc/passwd", "media.url must be"),
+        ("gopher scheme", "gopher://127.0.0.1:70/", "media.url must be"),
+        ("user info", f"http://user:pw@127.0.0.1:{port}/img.png", "user name or password"),
+        ("user info hiding the host", f"http://127.0.0.1:{port}@169.254.169.254/", "user name or password"),
+        ("decimal address", "http://2130706433/img.png", "not a host name"),
+        ("hex address", "http://0x7f.1/img.png", "not a host name"),
+        ("ipv6 zone", "http://[fe80::1%25eth0]/", "IPv6 zone"),
+        ("bad port", "http://127.0.0.1:0x50/", "port"),
+        ("control characters", f"{local}/img.png\r\nX-Injected: 1", "control characters"),
+        ("too long", f"{local}/" + "a" * 3000, "1..2048"),
+        ("cloud metadata", "http://169.254.169.254/latest/meta-data/", "not one this worker fetches from"),
+        ("loopback v6", f"http://[::1]:{port}/img.png", "not one this worker fetches from"),
+        ("loopback by name", f"http://localhost:{port}/img.png", "not one this worker fetches from"),
+        ("redirect to metadata", f"{local}/redirect", "follows no redirect"),
+        ("404", f"{local}/missing", "answered 404"),
+        ("Content-Length over the cap", f"{local}/claims-big", "media_url_max_bytes"),
+        ("chunked over the cap", f"{local}/chunked-big", "media_url_max_bytes"),
+        ("unsized over the cap", f"{local}/unsized-big", "media_url_max_bytes"),
+        ("compressed though asked not", f"{local}/gzip", "compressed (gzip)"),
+        ("an error page as 200", f"{local}/html", "not a png file"),
+        ("a byte at a time", f"{local}/drip", "longer than media_url_timeout_s"),
+        ("no answer", f"{local}/slow", "longer than media_url_timeout_s"),
+    ]
+
+
+def test_media_url_corpus(rig):
+    """Hostile http(s) media URLs: each fails its own room with a reason naming what to
+    fix, and the healthy rooms sent among them are served, no stage restarting."""
+    import threading
+
+    release = threading.Event()
+    with http_server(default_routes(release)) as server:
+        r = rig(media_url_hosts="127.0.0.1", media_url_max_bytes=URL_CAP, media_url_timeout_s=1.0)
+        fails = {}
+        try:
+            for k, (name, url, text) in enumerate(_url_cases(server.server_address[1])):
+                room = next(_rooms)
+                r.client.send({"v": 1, "type": "encode", "request_id": f"url-{room}", "room": room,
+                               "items": [{"modality": "image", "grid_thw": [[1, 4, 4]],
+                                          "media": {"format": "png", "url": url}}]})
+                r.rx.alloc(room, 0, **SPAN4)
+                fails[room] = (name, text)
+                if k % 4 == 3:
+                    r.send_healthy(k)
+            assert r.rx.wait({room: 1 for room in fails}, 60), [fails[x] for x in fails if x not in r.rx.failed]
+            for room, (name, text) in fails.items():
+                assert text in r.rx.failed[room], f"{name}: {r.rx.failed[room]!r}"
+            r.check_healthy()
+            r.assert_alive()
+        finally:
+            release.set()

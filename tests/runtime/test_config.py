@@ -141,6 +141,8 @@ def test_invalid_value_names_the_key_and_its_source(tmp_path):
     ("bootstrap", "ipc:///tmp/x"), ("intake", "udp://x"),
     ("shm_prefix", "a/b"), ("max_live_rooms", 0), ("tower_replicas", 0), ("tower_replicas", 9),
     ("gpus", "0,1"), ("gpus", "x"), ("drain_timeout_s", -1.0), ("arena_cache_bytes", 1 << 40),
+    ("media_url_hosts", "http://example.com"), ("media_url_hosts", "ex_ample.com"), ("media_url_max_bytes", 0),
+    ("media_url_timeout_s", 0.0),
 ])
 def test_validate_names_the_key(key, value):
     with pytest.raises(ConfigError) as e:
@@ -151,7 +153,7 @@ def test_validate_names_the_key(key, value):
 @pytest.mark.parametrize("key, value", [
     ("gpu", 3), ("log_level", "debug"), ("log_level", "ERROR"), ("metrics_endpoint", "127.0.0.1:9100"),
     ("metrics_endpoint", "[::1]:0"), ("tower_config", "/"), ("numa", "off"), ("numa", "1"),
-    ("numa", "tower=1, sender=1,*=0"),
+    ("numa", "tower=1, sender=1,*=0"), ("media_url_hosts", "images.example.com, 10.0.0.0/8, 127.0.0.1, ::1"),
 ])
 def test_validate_accepts(key, value):
     dataclasses.replace(WorkerConfig(), **{key: value}).resolved().validate()

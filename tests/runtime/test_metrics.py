@@ -345,3 +345,11 @@ def test_idle_connections_hold_at_most_the_cap_and_rooms_are_served(started, mod
         for c in conns:
             c.close()
     assert scrape(w), "the endpoint serves again once the idle connections are gone"
+
+
+def test_the_preprocess_workers_outcomes_are_counted():
+    from pipeline.ops.metrics import totals_of
+
+    c = totals_of({"preprocess_items": {"decoded": 3, "fetched": 2, "fetch_failed": 1}}).counters
+    assert c[("epd_preprocess_items_total", ("fetched",))] == 2
+    assert c[("epd_preprocess_items_total", ("fetch_failed",))] == 1

@@ -147,7 +147,10 @@ def test_a_data_url_and_its_format_are_checked_at_intake(mode, shm_prefix, tmp_p
     client = started(made, Client(w.cfg.intake, shm_prefix))
     rx = started(made, Receiver("rx0", w.cfg.bootstrap, buffer_bytes=4 << 20))
     bad = {
-        raw_media_room(client, rx, (1, 4, 4), {"url": "http://example.com/a.jpg"}): "fetches no http",
+        # URLs are off by default (tests/stages/test_media_urls.py has them on).
+        raw_media_room(client, rx, (1, 4, 4), {"url": "http://example.com/a.jpg", "format": "jpeg"}):
+            "fetches no http(s) URL (media_url_hosts is empty)",
+        raw_media_room(client, rx, (1, 4, 4), {"url": "https://example.com/a.jpg"}): "needs media.format",
         raw_media_room(client, rx, (1, 4, 4), {"url": "data:image/png;base64,@@@"}): "not valid base64",
         raw_media_room(client, rx, (1, 4, 4), {"format": "png"}): "exactly one of",
         raw_media_room(client, rx, (1, 4, 4), {"format": "png", "data": b"x", "min_pixels": 0}): "min_pixels",

@@ -14,10 +14,11 @@ import zmq
 import stages.records as records
 from ipc import wire
 from pipeline.runtime import wiring
-from pipeline.peers.client import Client, Item
+from pipeline.peers.client import Client, Item, url_item
 from pipeline.runtime.loop import QueueChannel
 from pipeline.peers.receiver import Receiver
 from tests.helpers import image, sim_config, start_worker
+from tests.ipc.test_fetch import http_server, reply
 
 # Routes only a stage's death takes: the pipeline's fault tests and the chaos soak take them.
 ON_DEATH_ONLY = {
@@ -94,8 +95,13 @@ def test_what_the_stages_emit_is_in_the_table(shm_prefix, tmp_path, monkeypatch)
         return watched
 
     monkeypatch.setattr(QueueChannel, "emitter", watched_emitter)
+    png = io.BytesIO()
+    PIL.Image.new("RGB", (56, 56), (10, 200, 30)).save(png, "PNG")
+    served = http_server({"/a.png": lambda h: reply(h, 200, png.getvalue())})
+    server = served.__enter__()
     w = start_worker("inprocess", sim_config(shm_prefix, tmp_path, sim_fail_batches=1, max_items_per_batch=1,
-                                              bootstrap_timeout_s=0.5, sim_time_per_row_s=0.002))
+                                              bootstrap_timeout_s=0.5, sim_time_per_row_s=0.002,
+                                              media_url_hosts="127.0.0.1"))
     client = Client(w.cfg.intake, shm_prefix)
     rx = Receiver("rx", w.cfg.bootstrap, buffer_bytes=16 << 20)
     raw = zmq.Context.instance().socket(zmq.PUSH)
@@ -123,8 +129,11 @@ def test_what_the_stages_emit_is_in_the_table(shm_prefix, tmp_path, monkeypatch)
         raw.send(wire.encode({"v": 1, "type": "encode", "request_id": "bad", "room": bad, "items": []}))
         rx.alloc(bad, 0, **spec)
         expect[bad] = 1
-        png = io.BytesIO()
-        PIL.Image.new("RGB", (56, 56), (10, 200, 30)).save(png, "PNG")
+        url_room = next(rooms)                         # an image fetched from a URL, then decoded
+        client.encode(url_room, "u", [url_item(f"http://127.0.0.1:{server.server_address[1]}/a.png", "png",
+                                               [1, 4, 4])])
+        rx.alloc(url_room, 0, **spec)
+        expect[url_room] = 1
         for data in (png.getvalue(), b"not a png"):   # a compressed image decoded; one that fails
             media_room = next(rooms)
             client.encode(media_room, "m", [Item("image", [[1, 4, 4]], np.frombuffer(data, np.uint8), media="png")])
@@ -144,6 +153,7 @@ def test_what_the_stages_emit_is_in_the_table(shm_prefix, tmp_path, monkeypatch)
         rx.close()
         client.close()
         w.close()
+        served.__exit__(None, None, None)
     unknown = seen - table()
     assert not unknown, f"emitted but not in the table: {sorted(unknown)}"
     untaken = table() - seen - ON_DEATH_ONLY - ON_SHORTAGE_ONLY - SENT_BY_THE_RUNTIME
