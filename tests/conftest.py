@@ -69,9 +69,10 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture
 def worker_rig(shm_prefix, tmp_path):
     """A factory of a worker (`mode`, its settings `sim_config`'s from `over`, its tower
-    `tower_obj` if given), a client of it and a receiver of each of `names`: all closed at the test's end, newest first. It returns the
-    worker, the client and the list of receivers; `worker_rig.made` is what it closes, for
-    what else a test wants closed with them."""
+    `tower_obj` if given), a client of it and a receiver of each of `names`, all closed at
+    the test's end, newest first. It returns the worker, the client and the list of
+    receivers; `worker_rig.made` is what it closes, for what else a test wants closed
+    with them."""
     from pipeline.peers.client import Client
     from pipeline.peers.receiver import Receiver
     from pipeline.testing.workers import sim_config, start_worker
