@@ -22,6 +22,7 @@ from ipc.stats import ReasonCode
 from stages import registry
 from stages.base import POLL_S, Stage
 from stages.records import EncodeFailed, PreprocessDone, PreprocessRestarted, RoomFailure, WorkItem
+from stages.settings import PreprocessSettings
 
 log = logging.getLogger("epd.preprocess")
 
@@ -152,7 +153,7 @@ class PreprocessStage(Stage):
             self._drop(self.waiting.popleft().pixels)
 
 
-def image_settings(cfg, spec) -> media.ImageSettings:
+def image_settings(cfg: PreprocessSettings, spec) -> media.ImageSettings:
     """The processor's settings for this tower: its patch geometry, the worker's resize
     bounds, and mean and std from the checkpoint's processor configuration when it has
     one (else the family's: Qwen3-VL's 0.5, Qwen2's CLIP values)."""
@@ -182,6 +183,6 @@ def _processor_config(path: str) -> dict | None:
     return None
 
 
-def build(env, name, emit, custody) -> PreprocessStage:
-    return PreprocessStage(emit, pixel_arena=env.shared.pixel_arena, settings=image_settings(env.cfg, env.spec),
+def build(env, settings: PreprocessSettings, name, emit, custody) -> PreprocessStage:
+    return PreprocessStage(emit, pixel_arena=env.shared.pixel_arena, settings=image_settings(settings, env.spec),
                            custody=custody, name=name)
