@@ -24,11 +24,13 @@ def worker_config(prefix: str, run_dir, **over) -> WorkerConfig:
 def with_sim_tower(run_dir, settings: dict) -> dict:
     """`settings` (configuration keys) with its `sim_<key>` entries, the sim tower's
     settings and faults (stages/towers/sim.py's SIM_SETTINGS and SIM_FAULTS), written to
-    a settings file in `run_dir` that `tower_config` names; unchanged if it has none.
-    The file is named by its contents, so configurations that differ never share one."""
+    a settings file in `run_dir` that `tower_config` names; where there are none, or
+    another tower is chosen (a test that swaps the sim tower for a real one), they are
+    left out. The file is named by its contents, so configurations that differ never
+    share one."""
     sim = {k.removeprefix("sim_"): os.fspath(v) if isinstance(v, os.PathLike) else v
            for k, v in settings.items() if k.startswith("sim_") and v is not None}
-    if not sim:
+    if not sim or settings.get("tower") != "sim":
         return {k: v for k, v in settings.items() if not k.startswith("sim_")}
     unknown = sim.keys() - sim_tower.SIM_SETTINGS.keys() - sim_tower.SIM_FAULTS.keys()
     if unknown:
