@@ -30,7 +30,9 @@ def with_sim_tower(run_dir, settings: dict) -> dict:
     share one."""
     sim = {k.removeprefix("sim_"): os.fspath(v) if isinstance(v, os.PathLike) else v
            for k, v in settings.items() if k.startswith("sim_") and v is not None}
-    if not sim or settings.get("tower") != "sim":
+    if sim and "tower" not in settings:
+        raise TypeError(f"sim tower settings {sorted(sim)} without tower='sim'")
+    if not sim or settings["tower"] != "sim":
         return {k: v for k, v in settings.items() if not k.startswith("sim_")}
     unknown = sim.keys() - sim_tower.SIM_SETTINGS.keys() - sim_tower.SIM_FAULTS.keys()
     if unknown:

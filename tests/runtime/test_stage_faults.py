@@ -221,7 +221,7 @@ def test_sigterm_right_after_a_burst_concludes_every_room_received(mode, drain_s
     (success, or "worker shutting down" once the drain's time is up), no segment is left,
     exit 0."""
     port = free_port()
-    sim = with_sim_tower(tmp_path, dict(sim_hidden=64, sim_deepstack_width=32, sim_time_per_row_s=0.0005))
+    sim = with_sim_tower(tmp_path, dict(tower="sim", sim_hidden=64, sim_deepstack_width=32, sim_time_per_row_s=0.0005))
     cmd = [sys.executable, "run.py", "serve", "--mode", mode, "--shm-prefix", shm_prefix,
            "--intake", f"ipc://{tmp_path}/intake.sock", "--bootstrap", f"tcp://127.0.0.1:{port}",
            "--run-dir", str(tmp_path), "--tower", "sim", "--tower-config", sim["tower_config"],
