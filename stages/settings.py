@@ -12,8 +12,10 @@ Env.tower) from the tower's own settings (stages/towers).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from stages.store_tier import StoreSettings
+if TYPE_CHECKING:  # the store tier's modules load only where a cache stage is built
+    from stages.store_tier import StoreSettings
 
 
 @dataclass(frozen=True)

@@ -317,3 +317,18 @@ def test_the_tower_takes_one_torch_thread_per_cpu_it_may_run_on():
                          env={**os.environ, "PYTHONPATH": root})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["1", "3"]
+
+
+def test_every_stage_is_given_its_settings():
+    """The runtime maps the configuration onto each stage's own settings type, all of its fields."""
+    from pipeline.runtime import stage_settings
+    from stages import registry
+
+    assert set(stage_settings.MAPPINGS) == set(registry.MODULES)
+    cfg = WorkerConfig(tower_replicas=2, preprocess_workers=2, max_items_per_batch=3,
+                       status_ipc_dirs="/run/a,/run/b").resolved()
+    made = {name: stage_settings.settings_of(name, cfg) for name in registry.stage_names(2, 2)}
+    assert made["scheduler"].max_items_per_batch == 3 and made["tower0"] is None
+    assert made["preprocess1"] == made["preprocess0"] and made["cache"].store is None
+    assert made["sender"].status_ipc_dirs == ("/run/a", "/run/b")
+    assert made["intake"].endpoint == cfg.intake and made["sender"].endpoint == cfg.bootstrap
