@@ -46,9 +46,9 @@ key in the file or an unknown `{ENV_PREFIX}*` variable is an error: a typo is ne
 silently ignored. A source is "default", the file's path, the variable, the flag, or
 "derived from ..." (`run_dir`, `intake`, `gpus`). `run.py config` prints TOML that loads
 back with `--config`; `run.py serve` prints the same block on stderr at start. A boolean
-key's flag has a negative form too ({{negatives}}). The tower settings (`sim_*`, `tower_config`, `tower_dtype`,
+key's flag has a negative form too ({{negatives}}). The tower settings (`tower_config`, `tower_dtype`,
 `gpu`) are declared by the towers in `stages/towers/` and apply to the towers their help
-names.
+names; the sim tower's own settings are in its settings file (below), not among these keys.
 
 """
 
@@ -69,7 +69,40 @@ def render() -> str:
                     f"{default_text(f)} | {help_text} |")
     negatives = ", ".join(f"`--no-{flag_name(f.name)[2:]}`" for f in dataclasses.fields(WorkerConfig)
                           if f.type == "bool")
-    return HEADER.replace("{negatives}", negatives) + "\n".join(rows) + "\n"
+    return HEADER.replace("{negatives}", negatives) + "\n".join(rows) + "\n" + sim_tower_section()
+
+
+SIM_HEADER = """
+## The sim tower's settings
+
+The sim tower (`--tower sim`: no model, for benchmarks and tests of the pipeline) is
+configured as a real tower is, by its checkpoint: `tower_config` names a TOML file (JSON
+where its name ends `.json`) of the settings below; `tiny` (the default) or `''` names
+none, and every setting is at its default. The `[faults]` table is fault injection, for
+the tests (`pipeline/testing/workers.py`'s `with_sim_tower` writes such a file from
+`sim_<key>` arguments). A key the sim tower does not know, or a value it cannot take, is
+an error that names `tower_config`. The keys are declared in `stages/towers/sim.py`.
+
+```
+$ cat sim.toml
+hidden = 1024
+time_per_row_s = 1e-6
+[faults]
+fail_batches = 1
+$ .venv/bin/python run.py serve --tower sim --tower-config sim.toml
+```
+
+"""
+
+
+def sim_tower_section() -> str:
+    from stages.towers.sim import SIM_FAULTS, SIM_SETTINGS
+
+    rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for table, settings in (("", SIM_SETTINGS), ("faults.", SIM_FAULTS)):
+        for key, (default, meaning) in settings.items():
+            rows.append(f"| `{table}{key}` | {type(default).__name__} | `{json.dumps(default)}` | {meaning} |")
+    return SIM_HEADER + "\n".join(rows) + "\n"
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ from ipc.stats import ReasonCode
 from stages import registry
 from stages.base import POLL_S, Stage
 from stages.embedding_cache import EmbeddingCache, InflightMisses, cache_key, make_key
-from stages.store_tier import StoreSettings, StoreTier, tower_identity
+from stages.settings import CacheSettings
+from stages.store_tier import StoreTier, tower_identity
 from stages.records import (OWNER_CACHE, Encoded, EncodeFailed, PreprocessDone, PreprocessDown,
                             PreprocessRestarted, ReadyItem, RoomAbandoned, RoomFailure, SpaceWanted, WorkItem)
 
@@ -346,17 +347,14 @@ def _same(a: WorkItem, b: WorkItem) -> bool:
     return (a.room, a.item) == (b.room, b.item)
 
 
-def build(env, name, emit, custody) -> CacheStage:
-    cfg, spec, sh = env.cfg, env.spec, env.shared
-    cache = EmbeddingCache(sh.emb_arena, OWNER_CACHE, cfg.arena_cache_bytes, cfg.host_cache_bytes)
-    content_key = cache_key(cfg.cache_key_file, cfg.shm_prefix, env.run_id)
+def build(env, settings: CacheSettings, name, emit, custody) -> CacheStage:
+    s, spec, sh = settings, env.spec, env.shared
+    cache = EmbeddingCache(sh.emb_arena, OWNER_CACHE, s.arena_cache_bytes, s.host_cache_bytes)
+    content_key = cache_key(s.cache_key_file, s.shm_prefix, env.run_id)
     store = None
-    if cfg.store_master:
-        settings = StoreSettings(cfg.store_master, cfg.store_metadata, cfg.store_segment_bytes,
-                                 cfg.store_buffer_bytes, cfg.protocol, cfg.device, cfg.hostname,
-                                 cfg.store_get_timeout_s)
-        store = StoreTier(settings, tower_identity(cfg.tower, spec, cfg.tower_config, cfg.run_dir), content_key)
+    if s.store is not None:
+        store = StoreTier(s.store, tower_identity(s.tower, spec, s.tower_config, s.run_dir), content_key)
     return CacheStage(emit, pixel_arena=sh.pixel_arena, cache=cache, hidden=spec.hidden, dtype=spec.dtype,
-                      trust_client_hash=cfg.trust_client_hash, custody=custody, content_key=content_key,
+                      trust_client_hash=s.trust_client_hash, custody=custody, content_key=content_key,
                       row_bytes=spec.row_bytes, store=store,
-                      preprocess=tuple(registry.preprocess_names(cfg.preprocess_workers)))
+                      preprocess=tuple(registry.preprocess_names(s.preprocess_workers)))

@@ -16,6 +16,7 @@ from stages import registry, segments
 from stages.base import POLL_S, Stage
 from stages.embedding_cache import cache_key
 from stages.records import OWNER_INTAKE, RoomFailure, RoomOpened, WorkItem
+from stages.settings import IntakeSettings
 
 log = logging.getLogger("epd.intake")
 
@@ -396,17 +397,17 @@ def _fetched(it: wire.EncodeItem) -> bool:
     return it.pixels.media is not None and bool(it.pixels.media.url)
 
 
-def build(env, name, emit, custody) -> IntakeStage:
-    cfg, spec = env.cfg, env.spec
+def build(env, settings: IntakeSettings, name, emit, custody) -> IntakeStage:
+    s, spec = settings, env.spec
     # Inline pixels of a whole request, and room for its item list.
-    max_frame = cfg.max_pixel_bytes_per_request + (1 << 20) + 4096 * cfg.max_items_per_request
-    return IntakeStage(emit, prefix=cfg.shm_prefix, pixel_arena=env.shared.pixel_arena, rooms=env.shared.rooms,
+    max_frame = s.max_pixel_bytes_per_request + (1 << 20) + 4096 * s.max_items_per_request
+    return IntakeStage(emit, prefix=s.shm_prefix, pixel_arena=env.shared.pixel_arena, rooms=env.shared.rooms,
                        patch_dim=spec.patch_dim, merge=spec.merge, row_bytes=spec.row_bytes,
                        emb_arena_bytes=env.shared.emb_arena.size,
-                       max_items_per_request=cfg.max_items_per_request,
-                       max_pixel_bytes_per_request=cfg.max_pixel_bytes_per_request,
-                       max_live_rooms=cfg.max_live_rooms, trust_client_hash=cfg.trust_client_hash,
-                       custody=custody, endpoint=cfg.intake, max_frame=max_frame, journal=env.journal,
-                       content_key=cache_key(cfg.cache_key_file, cfg.shm_prefix, env.run_id),
-                       image_pixels=(cfg.image_min_pixels, cfg.image_max_pixels), image_backend=cfg.image_backend,
-                       url_hosts=AllowList(cfg.media_url_hosts))
+                       max_items_per_request=s.max_items_per_request,
+                       max_pixel_bytes_per_request=s.max_pixel_bytes_per_request,
+                       max_live_rooms=s.max_live_rooms, trust_client_hash=s.trust_client_hash,
+                       custody=custody, endpoint=s.endpoint, max_frame=max_frame, journal=env.journal,
+                       content_key=cache_key(s.cache_key_file, s.shm_prefix, env.run_id),
+                       image_pixels=(s.image_min_pixels, s.image_max_pixels), image_backend=s.image_backend,
+                       url_hosts=AllowList(s.media_url_hosts))

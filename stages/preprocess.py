@@ -27,6 +27,7 @@ from stages import registry
 from stages.base import POLL_S, Stage
 from stages.embedding_cache import cache_key
 from stages.records import EncodeFailed, PreprocessDone, PreprocessRestarted, RoomFailure, WorkItem
+from stages.settings import PreprocessSettings
 
 log = logging.getLogger("epd.preprocess")
 # How often the loop looks for fetches that ended while some are out: they wait on the
@@ -229,7 +230,7 @@ class PreprocessStage(Stage):
             self._drop(self.waiting.popleft().pixels)
 
 
-def image_settings(cfg, spec) -> media.ImageSettings:
+def image_settings(cfg: PreprocessSettings, spec) -> media.ImageSettings:
     """The processor's settings for this tower: its patch geometry, the worker's resize
     bounds, and mean and std from the checkpoint's processor configuration when it has
     one (else the family's: Qwen3-VL's 0.5, Qwen2's CLIP values)."""
@@ -259,13 +260,13 @@ def _processor_config(path: str) -> dict | None:
     return None
 
 
-def url_settings(cfg) -> fetch.UrlSettings:
+def url_settings(s: PreprocessSettings) -> fetch.UrlSettings:
     """The operator's rules for http(s) media URLs (media_url_*)."""
-    return fetch.UrlSettings(cfg.media_url_hosts, cfg.media_url_max_bytes, cfg.media_url_timeout_s)
+    return fetch.UrlSettings(s.media_url_hosts, s.media_url_max_bytes, s.media_url_timeout_s)
 
 
-def build(env, name, emit, custody) -> PreprocessStage:
-    cfg = env.cfg
-    return PreprocessStage(emit, pixel_arena=env.shared.pixel_arena, settings=image_settings(cfg, env.spec),
-                           custody=custody, name=name, urls=url_settings(cfg),
-                           content_key=cache_key(cfg.cache_key_file, cfg.shm_prefix, env.run_id))
+def build(env, settings: PreprocessSettings, name, emit, custody) -> PreprocessStage:
+    s = settings
+    return PreprocessStage(emit, pixel_arena=env.shared.pixel_arena, settings=image_settings(s, env.spec),
+                           custody=custody, name=name, urls=url_settings(s),
+                           content_key=cache_key(s.cache_key_file, s.shm_prefix, env.run_id))

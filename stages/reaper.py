@@ -35,6 +35,7 @@ from stages.ownership import may_hear
 from stages.records import (OWNER_REAPER, AllocSeen, Fence, Fenced, IntakeRestarted, ItemDone, LateAlloc,
                             Queried, Registered, RoomAbandoned, RoomFailure, RoomOpened, RoomsLost, RoomSucceeded,
                             ShardWritten, UnknownRoom)
+from stages.settings import ReaperSettings
 from stages.status_pusher import StatusPusher
 
 log = logging.getLogger("epd.reaper")
@@ -568,11 +569,11 @@ class ReaperStage(Stage):
             log.info("room failed: room=%d request_id=%s reason=%s", room, request_id, reason)
 
 
-def build(env, name, emit, custody) -> ReaperStage:
-    cfg, sh = env.cfg, env.shared
+def build(env, settings: ReaperSettings, name, emit, custody) -> ReaperStage:
+    s, sh = settings, env.shared
     return ReaperStage(emit, rooms=sh.rooms, told=sh.told, receivers=sh.receivers,
-                       pusher=StatusPusher(cfg.status_hwm, cfg.max_status_sockets, cfg.status_socket_idle_s,
+                       pusher=StatusPusher(s.status_hwm, s.max_status_sockets, s.status_socket_idle_s,
                                            curve=env.curve_keypair),
-                       tombstone_ttl_s=cfg.tombstone_ttl_s, max_tombstones=cfg.max_tombstones,
-                       bootstrap_timeout_s=cfg.bootstrap_timeout_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-                       max_deadline_s=cfg.max_deadline_s, custody=custody)
+                       tombstone_ttl_s=s.tombstone_ttl_s, max_tombstones=s.max_tombstones,
+                       bootstrap_timeout_s=s.bootstrap_timeout_s, heartbeat_timeout_s=s.heartbeat_timeout_s,
+                       max_deadline_s=s.max_deadline_s, custody=custody)

@@ -1,7 +1,9 @@
 """The stages: their names, the module that builds each, and the roles a runtime needs.
 
-A new stage is a module with `build(env, name, emit, custody)`, a line here, its edges
-in pipeline/runtime/wiring.py and its records in stages/records.py.
+A new stage is a module with `build(env, settings, name, emit, custody)`, a line here,
+its settings type in stages/settings.py (mapped from the configuration in
+pipeline/runtime/stage_settings.py), its edges in pipeline/runtime/wiring.py and its
+records in stages/records.py.
 
 The stage list depends on two settings, `tower_replicas` and `preprocess_workers`:
 one tower is the stage `tower`, N > 1 are `tower0` .. `tower{N-1}` (one process, one

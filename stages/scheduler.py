@@ -17,6 +17,7 @@ from stages.base import POLL_S, Stage
 from stages.batch_queue import BatchQueue, Entry
 from stages.records import (OWNER_SCHEDULER, Batch, RoomAbandoned, RoomFailure, SpaceWanted,
                             TowerCredit, TowerDown, TowerRestarted, WorkItem)
+from stages.settings import SchedulerSettings
 
 SPACE_WANTED_EVERY_S = 0.2
 
@@ -143,9 +144,9 @@ class SchedulerStage(Stage):
                     pass
 
 
-def build(env, name, emit, custody) -> SchedulerStage:
-    cfg, spec, sh = env.cfg, env.spec, env.shared
-    return SchedulerStage(emit, queue=BatchQueue(cfg.max_tokens_per_batch, cfg.max_items_per_batch),
+def build(env, settings: SchedulerSettings, name, emit, custody) -> SchedulerStage:
+    s, spec, sh = settings, env.spec, env.shared
+    return SchedulerStage(emit, queue=BatchQueue(s.max_tokens_per_batch, s.max_items_per_batch),
                           pixel_arena=sh.pixel_arena, emb_arena=sh.emb_arena,
                           entry_bytes=lambda span: span * spec.row_bytes, custody=custody,
-                          towers=tuple(registry.tower_names(cfg.tower_replicas)))
+                          towers=tuple(registry.tower_names(s.tower_replicas)))

@@ -29,6 +29,7 @@ from stages.records import (OWNER_SENDER, AllocSeen, Fence, Fenced, IntakeRestar
                             ShardWritten, UnknownRoom)
 from stages.registrations import Registrations, StatusRule
 from stages.room_life import LIVE, RoomLife, RoomLives, Write
+from stages.settings import SenderSettings
 
 log = logging.getLogger("epd.sender")
 
@@ -583,12 +584,12 @@ class SenderStage(Stage):
             log.warning("dropped: %s", reason)
 
 
-def build(env, name, emit, custody) -> SenderStage:
-    cfg, spec, sh = env.cfg, env.spec, env.shared
+def build(env, settings: SenderSettings, name, emit, custody) -> SenderStage:
+    s, spec, sh = settings, env.spec, env.shared
     return SenderStage(emit, custody, arena=sh.emb_arena, engine=env.engine, rooms=sh.rooms,
                        registrations=sh.receivers, held=sh.held, hidden=spec.hidden, dtype=spec.dtype,
-                       deepstack_width=spec.deepstack_width, bootstrap_timeout_s=cfg.bootstrap_timeout_s,
-                       max_held_allocs=cfg.max_held_allocs, endpoint=cfg.bootstrap,
-                       registration_idle_s=cfg.registration_idle_s,
-                       max_receivers_per_key=cfg.max_receivers_per_key,
-                       status_rule=StatusRule(cfg.own_endpoints(), cfg.status_ipc_dirs.split(",")))
+                       deepstack_width=spec.deepstack_width, bootstrap_timeout_s=s.bootstrap_timeout_s,
+                       max_held_allocs=s.max_held_allocs, endpoint=s.endpoint,
+                       registration_idle_s=s.registration_idle_s,
+                       max_receivers_per_key=s.max_receivers_per_key,
+                       status_rule=StatusRule(list(s.own_endpoints), list(s.status_ipc_dirs)))

@@ -165,7 +165,8 @@ class TowerStage(Stage):
                 pass
 
 
-def build(env, name, emit, custody) -> TowerStage:
+def build(env, settings: None, name, emit, custody) -> TowerStage:
+    # No settings of its own: the runtime builds the replica's tower (env.tower).
     sh = env.shared
     return TowerStage(emit, tower=env.tower(registry.replica_of(name)), pixel_arena=sh.pixel_arena,
                       emb_arena=sh.emb_arena, rooms=sh.rooms, custody=custody, name=name)

@@ -9,7 +9,7 @@ import traceback
 from pipeline.runtime.background import Running, free_port  # noqa: F401 (tests import it from here)
 from pipeline.cli.config import WorkerConfig
 from pipeline.testing.sim import PATCH_DIM, expected_sim_rows, image  # noqa: F401
-from pipeline.testing.workers import sim_config, start_worker  # noqa: F401
+from pipeline.testing.workers import sim_config, start_worker, with_sim_tower  # noqa: F401
 
 
 def fork_call(fn, *args) -> int:

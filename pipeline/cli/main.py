@@ -176,6 +176,7 @@ def _workload(cfg: WorkerConfig, spec):
 
     from ipc import media
     from pipeline.peers.client import Item, image_item
+    from pipeline.runtime.stage_settings import preprocess_settings
     from stages.preprocess import image_settings
 
     jpegs = _jpegs()
@@ -187,7 +188,7 @@ def _workload(cfg: WorkerConfig, spec):
         g = k % len(jpegs) if k % 4 else (k // 4) % len(jpegs)   # every 4th repeats an earlier image
         items = [image_item(jpegs[g], "jpeg", **bounds)]
         if 1 + k == TWIN_ROOM:
-            pixels, grid = media.preprocess(jpegs[0], "jpeg", image_settings(cfg, spec))
+            pixels, grid = media.preprocess(jpegs[0], "jpeg", image_settings(preprocess_settings(cfg), spec))
             items = [image_item(jpegs[0], "jpeg", **bounds), Item("image", [list(grid)], pixels)]
         if k == 11:
             t = (2, 8, 8)

@@ -36,7 +36,7 @@ from ipc.ring import Ring, wait_any
 from ipc.transport import Engine
 from ipc import wire
 from pipeline.peers import curve
-from pipeline.runtime import wiring
+from pipeline.runtime import stage_settings, wiring
 from stages import registry
 from stages.base import Stage
 from stages.records import UNHURRIED
@@ -49,7 +49,8 @@ READ_AHEAD_FRAMES = 1024  # frames a reader thread holds for its stage, at most
 
 
 class Env:
-    """What stages are built from: the configuration, the run's shared objects, the
+    """What stages are built from: each stage's settings (mapped from the configuration,
+    which the stages themselves never read), the run's shared objects, the
     towers' spec, and what only some stages use (each replica's tower, the Mooncake
     engine, a ZeroMQ context), made on first use. `spec` comes from a tower, built here
     or elsewhere; `tower`, if given, is the first replica's."""
@@ -107,7 +108,10 @@ class Env:
         return self._ctx
 
     def build(self, name: str, emit, custody) -> Stage:
-        return importlib.import_module(registry.MODULES[registry.kind_of(name)]).build(self, name, emit, custody)
+        """Stage `name`, from its own settings (stage_settings.py), which is all of the
+        configuration it sees."""
+        module = importlib.import_module(registry.MODULES[registry.kind_of(name)])
+        return module.build(self, stage_settings.settings_of(name, self.cfg), name, emit, custody)
 
     def close(self) -> None:
         """After the stages and their sockets are closed."""

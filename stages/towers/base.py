@@ -127,6 +127,12 @@ class Setting:
     choices: tuple | None = None
 
 
+# Every tower's checkpoint, one declaration for all (towers that share a key share it).
+TOWER_CONFIG = Setting("tower_config", "tiny", "the tower's checkpoint: 'tiny' (none: the qwen towers' seeded "
+                                               "weights, the sim tower's defaults), a qwen checkpoint directory, or "
+                                               "the sim tower's settings file (TOML, or JSON; docs/configuration.md)")
+
+
 @dataclass
 class TowerItem:
     """One vision item of a batch.

@@ -19,7 +19,7 @@ import numpy as np
 
 from stages import progress
 from stages.towers.base import (
-    DTYPES, DoneJob, Setting, SettingError, Tower, TowerError, TowerJob, TowerSpec, grids, numpy_dtype,
+    DTYPES, TOWER_CONFIG, DoneJob, Setting, SettingError, Tower, TowerError, TowerJob, TowerSpec, grids, numpy_dtype,
 )
 
 _TINY_QWEN25 = dict(
@@ -130,7 +130,7 @@ class _QwenTower(Tower):
     kind: str  # "qwen2.5-vl" | "qwen3-vl"
 
     settings = (
-        Setting("tower_config", "tiny", "qwen towers: 'tiny' (seeded weights) or a checkpoint directory"),
+        TOWER_CONFIG,
         Setting("tower_dtype", "", "qwen towers: float32, float16 or bfloat16 "
                                    "(default: float32 on CPU, bfloat16 on CUDA)", choices=("",) + DTYPES),
         Setting("gpu", 0, "the CUDA device the tower uses (qwen towers on a CUDA machine)", minimum=0),

@@ -3,13 +3,21 @@
 An asynchronous "device" that takes ``time_per_row_s`` per output row, one batch at
 a time, and whose rows are a cheap deterministic function of the pixels
 (``sim_rows``).
+
+Configured like a real tower, by its checkpoint (``tower_config``): with
+``--tower sim``, ``tower_config`` names a TOML file (JSON where it ends ``.json``)
+of the settings in ``SIM_SETTINGS``, and a ``[faults]`` table of those in
+``SIM_FAULTS``, the fault injection the tests use; ``tiny`` (the default) or ''
+names none: every setting at its default. They are no flags of the worker's.
 """
 from __future__ import annotations
 
 import functools
+import json
 import os
 import threading
 import time
+import tomllib
 from typing import Any
 
 import numpy as np
@@ -17,7 +25,7 @@ import xxhash
 
 from stages import progress
 from stages.towers.base import (
-    DTYPES, MODALITIES, Setting, TimedJob, Tower, TowerError, TowerJob, TowerSpec, numpy_dtype,
+    DTYPES, MODALITIES, TOWER_CONFIG, SettingError, TimedJob, Tower, TowerError, TowerJob, TowerSpec, numpy_dtype,
 )
 
 SIM_PATTERN_SEED = 0x5EED_7043
@@ -97,6 +105,65 @@ def sim_rows(spec: TowerSpec, pixels_bytes: Any, modality: str, span: int
     return main, deep
 
 
+# The sim tower's settings: (default, what it means), in its settings file (module docstring).
+SIM_SETTINGS: dict[str, tuple[Any, str]] = {
+    "hidden": (3584, "hidden size of an embedding row"),
+    "deepstack_width": (0, "width of the deepstack rows (0: none)"),
+    "dtype": ("bfloat16", "float32, float16 or bfloat16"),
+    "merge": (2, "spatial merge factor (patches per row side)"),
+    "patch": (14, "patch side in pixels"),
+    "temporal_patch": (2, "frames per temporal patch"),
+    "time_per_row_s": (2e-6, "simulated device time per output row, seconds"),
+}
+# Fault injection, for the tests: its settings file's [faults] table.
+SIM_FAULTS: dict[str, tuple[Any, str]] = {
+    "fail_batches": (0, "the tower fails its first N batches"),
+    "load_s": (0.0, "seconds its start spends loading, reporting progress as a real tower's load does"),
+    "load_stall_file": ("", "while this file exists, the load makes no progress (a load that hangs)"),
+}
+_SIM_MINIMUM = {"hidden": 1, "deepstack_width": 0, "merge": 1, "patch": 1, "temporal_patch": 1,
+                "time_per_row_s": 0, "fail_batches": 0, "load_s": 0}
+
+
+def read_sim_file(path: str) -> dict[str, Any]:
+    """The sim tower's keyword arguments from its settings file; SettingError (key
+    ``tower_config``) naming the file and the setting for anything it cannot take."""
+    def bad(what: str) -> SettingError:
+        return SettingError(f"tower_config {path!r} (the sim tower's settings): {what}", "tower_config")
+
+    try:
+        with open(path, "rb") as f:
+            data = json.load(f) if path.endswith(".json") else tomllib.load(f)
+    except OSError as e:
+        raise bad(f"cannot read it: {e.strerror}") from None
+    except (ValueError, tomllib.TOMLDecodeError) as e:
+        raise bad(f"not valid {'JSON' if path.endswith('.json') else 'TOML'}: {e}") from None
+    faults = data.pop("faults", {}) if isinstance(data, dict) else None
+    if not isinstance(faults, dict):
+        raise bad("expected a table of settings and a [faults] table")
+    out = {}
+    for table, known in ((data, SIM_SETTINGS), (faults, SIM_FAULTS)):
+        for key, value in table.items():
+            if key not in known:
+                raise bad(f"unknown setting {key!r}; known: {', '.join(known)}"
+                          + ("" if known is SIM_FAULTS else ", and the [faults] table"))
+            out[key] = _sim_value(key, value, known[key][0], bad)
+    return out
+
+
+def _sim_value(key: str, value: Any, default: Any, bad) -> Any:
+    kind = type(default)
+    ok = isinstance(value, kind) and not isinstance(value, bool) or (
+        kind is float and isinstance(value, int) and not isinstance(value, bool))
+    if not ok:
+        raise bad(f"{key} must be {kind.__name__}, got {value!r}")
+    if key in _SIM_MINIMUM and value < _SIM_MINIMUM[key]:
+        raise bad(f"{key} must be >= {_SIM_MINIMUM[key]}, got {value!r}")
+    if key == "dtype" and value not in DTYPES:
+        raise bad(f"dtype must be one of {', '.join(DTYPES)}, got {value!r}")
+    return float(value) if kind is float else value
+
+
 class SimTower(Tower):
     """A simulated asynchronous device (think CUDA stream).
 
@@ -107,32 +174,19 @@ class SimTower(Tower):
     previous one ends (``device_free_at``). Waiting in ``result()`` sleeps.
     ``fail_next`` (a test hook): the next ``n`` started batches fail in ``result()``.
 
-    Its keyword arguments are its settings' keys without the ``sim_`` prefix, and
+    Its keyword arguments are the keys of SIM_SETTINGS and SIM_FAULTS, and
     ``in_channels`` and ``name``.
     """
 
-    settings = (
-        Setting("sim_hidden", 3584, "sim tower: hidden size of an embedding row", minimum=1),
-        Setting("sim_deepstack_width", 0, "sim tower: width of the deepstack rows (0: none)", minimum=0),
-        Setting("sim_dtype", "bfloat16", "sim tower: float32, float16 or bfloat16", choices=DTYPES),
-        Setting("sim_merge", 2, "sim tower: spatial merge factor (patches per row side)", minimum=1),
-        Setting("sim_patch", 14, "sim tower: patch side in pixels", minimum=1),
-        Setting("sim_temporal_patch", 2, "sim tower: frames per temporal patch", minimum=1),
-        Setting("sim_time_per_row_s", 2e-6, "sim tower: simulated device time per output row, seconds",
-                minimum=0),
-        Setting("sim_fail_batches", 0, "fault injection: the sim tower fails its first N batches", minimum=0),
-        Setting("sim_load_s", 0.0, "sim tower: seconds its start spends loading, reporting progress as a real "
-                                   "tower's load does", minimum=0),
-        Setting("sim_load_stall_file", "", "fault injection: while this file exists, the sim tower's load makes "
-                                           "no progress (a load that hangs)"),
-    )
+    settings = (TOWER_CONFIG,)
 
     @classmethod
     def tower_kwargs(cls, values: dict[str, Any]) -> dict[str, Any]:
-        return {key.removeprefix("sim_"): value for key, value in values.items()}
+        path = values["tower_config"]
+        return {} if path in ("", "tiny") else read_sim_file(path)
 
     def __init__(self, *, in_channels: int = 3, name: str = "sim", **settings: Any):
-        defaults = self.tower_kwargs({setting.key: setting.default for setting in self.settings})
+        defaults = {key: default for key, (default, _) in (SIM_SETTINGS | SIM_FAULTS).items()}
         unknown = settings.keys() - defaults.keys()
         if unknown:
             raise TypeError(f"SimTower: unknown settings {sorted(unknown)}")

@@ -36,7 +36,7 @@ from pipeline.integrations import proxy as proxy_mod  # noqa: E402
 from pipeline.integrations.vllm import EPDConnector, EPDConnectorMetadata  # noqa: E402
 from pipeline.testing.sim import expected_sim_rows, image  # noqa: E402
 from pipeline.testing.vllm import build_model, chat, http_status, picture, start_server, stop, wait_ready  # noqa: E402
-from pipeline.testing.workers import sim_config, start_worker, worker_config  # noqa: E402
+from pipeline.testing.workers import sim_config, start_worker, with_sim_tower, worker_config  # noqa: E402
 from vllm.config import ECTransferConfig  # noqa: E402
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole  # noqa: E402
 from vllm.multimodal.inputs import PlaceholderRange  # noqa: E402
@@ -296,9 +296,10 @@ def test_a_dead_engines_segment_is_swept_at_start(sim):
 
 def serve_sim(prefix: str, where: Path, bootstrap: str) -> subprocess.Popen:
     """`run.py serve` (in process, the sim tower) in a session of its own, once it serves."""
-    args = dict(shm_prefix=prefix, run_dir=str(where), intake=f"ipc://{where}/intake.sock", bootstrap=bootstrap,
-                tower="sim", sim_hidden=64, sim_deepstack_width=32, pixel_arena_bytes=16 << 20,
-                embedding_arena_bytes=16 << 20, arena_cache_bytes=4 << 20, max_tombstones=1024, max_live_rooms=256)
+    args = with_sim_tower(where, dict(
+        shm_prefix=prefix, run_dir=str(where), intake=f"ipc://{where}/intake.sock", bootstrap=bootstrap,
+        tower="sim", sim_hidden=64, sim_deepstack_width=32, pixel_arena_bytes=16 << 20,
+        embedding_arena_bytes=16 << 20, arena_cache_bytes=4 << 20, max_tombstones=1024, max_live_rooms=256))
     cmd = [sys.executable, "run.py", "serve", "--mode", "inprocess"]
     for key, value in args.items():
         cmd += ["--" + key.replace("_", "-"), str(value)]

@@ -11,6 +11,7 @@ dependency, and hiding a circle behind one is what this test exists to stop.
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 from pathlib import Path
 
@@ -217,3 +218,23 @@ def test_production_code_that_imports_the_test_support_is_named(tmp_path):
     loop.write_text(loop.read_text() + "\nfrom pipeline.testing import sim\n")
     found = violations(root)
     assert len(found) == 1 and "pipeline/runtime/loop.py" in found[0] and "pipeline/testing/sim.py" in found[0], found
+
+
+def configuration_readers(root: Path = ROOT) -> list[str]:
+    """Lines of stages/ that read the worker's configuration: a stage takes its own
+    settings type (stages/settings.py), which the runtime maps the configuration onto."""
+    found = []
+    for path in sorted((root / "stages").rglob("*.py")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\benv\.cfg\b|\.cfg\.|\bWorkerConfig\b", line):
+                found.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+    return found
+
+
+def test_no_stage_reads_the_workers_configuration(tmp_path):
+    assert configuration_readers() == []
+    root = _copy_tree(tmp_path)
+    scheduler = root / "stages" / "scheduler.py"
+    scheduler.write_text(scheduler.read_text() + "\n\ndef _planted(env):\n    return env.cfg.ring_bytes\n")
+    found = configuration_readers(root)
+    assert len(found) == 1 and found[0].startswith("stages/scheduler.py:"), found

@@ -101,15 +101,15 @@ def test_bench_help_is_the_benchmarks_own(capsys):
 
 def test_config_prints_every_key_with_its_source(tmp_path, monkeypatch, capsys):
     path = tmp_path / "w.toml"
-    path.write_text('ring_bytes = 65536\ntower = "sim"\nsim_hidden = 64\n')
-    monkeypatch.setenv("EPD_SIM_HIDDEN", "128")
+    path.write_text('ring_bytes = 65536\ntower = "sim"\nmax_tokens_per_batch = 64\n')
+    monkeypatch.setenv("EPD_MAX_TOKENS_PER_BATCH", "128")
     code, out, err = exits(["config", "--config", str(path), "--max-items-per-batch", "3"], capsys)
     assert code == 0, err
     lines = {m[1]: (m[2], m[3]) for m in re.finditer(r"^(\w+) = (.*?) +# (.+)$", out, re.M)}
     assert set(lines) == set(FIELDS) and len(out.splitlines()) == len(FIELDS)
     assert lines["ring_bytes"] == ("65536", str(path))
     assert lines["tower"] == ('"sim"', str(path))
-    assert lines["sim_hidden"] == ("128", "EPD_SIM_HIDDEN")
+    assert lines["max_tokens_per_batch"] == ("128", "EPD_MAX_TOKENS_PER_BATCH")
     assert lines["max_items_per_batch"] == ("3", "--max-items-per-batch")
     assert lines["log_level"] == ('"WARNING"', "default")
 

@@ -32,17 +32,17 @@ def test_defaults_alone():
 
 
 def test_precedence_file_env_flag_with_sources(tmp_path):
-    path = write(tmp_path, 'ring_bytes = 1024\nmax_tokens_per_batch = 100\nsim_hidden = 10\n'
-                           'tower = "sim"\nsim_time_per_row_s = 1\ntrust_client_hash = true\n')
-    environ = {"EPD_MAX_TOKENS_PER_BATCH": "2048", "EPD_SIM_HIDDEN": "20", "PATH": "/bin"}
-    cfg, sources = load_config(path, flags={"sim_hidden": 30}, environ=environ)
-    assert (cfg.ring_bytes, cfg.max_tokens_per_batch, cfg.sim_hidden) == (1024, 2048, 30)
+    path = write(tmp_path, 'ring_bytes = 1024\nmax_tokens_per_batch = 100\nmax_items_per_batch = 10\n'
+                           'tower = "sim"\nstore_get_timeout_s = 1\ntrust_client_hash = true\n')
+    environ = {"EPD_MAX_TOKENS_PER_BATCH": "2048", "EPD_MAX_ITEMS_PER_BATCH": "20", "PATH": "/bin"}
+    cfg, sources = load_config(path, flags={"max_items_per_batch": 30}, environ=environ)
+    assert (cfg.ring_bytes, cfg.max_tokens_per_batch, cfg.max_items_per_batch) == (1024, 2048, 30)
     assert cfg.tower == "sim" and cfg.trust_client_hash is True
-    assert cfg.sim_time_per_row_s == 1.0 and isinstance(cfg.sim_time_per_row_s, float)
+    assert cfg.store_get_timeout_s == 1.0 and isinstance(cfg.store_get_timeout_s, float)
     assert sources["ring_bytes"] == path
     assert sources["max_tokens_per_batch"] == "EPD_MAX_TOKENS_PER_BATCH"
-    assert sources["sim_hidden"] == "--sim-hidden"
-    assert sources["max_items_per_batch"] == "default"
+    assert sources["max_items_per_batch"] == "--max-items-per-batch"
+    assert sources["status_hwm"] == "default"
 
 
 def test_lower_layer_defaults_are_overridden_and_labelled(tmp_path):
@@ -137,7 +137,7 @@ def test_invalid_value_names_the_key_and_its_source(tmp_path):
     ("gpu", -1), ("log_level", "LOUD"), ("metrics_endpoint", "9100"), ("metrics_endpoint", "host:"),
     ("metrics_endpoint", "host:99999"), ("metrics_endpoint", ":9100"), ("numa", "two"), ("numa", "tower"),
     ("numa", "tower=x"), ("numa", "towr=1"), ("numa", "tower=1,tower=2"), ("numa", "-1"),
-    ("tower", "clip"), ("tower_config", "/nonexistent/checkpoint"), ("sim_dtype", "int8"),
+    ("tower", "clip"), ("tower_config", "/nonexistent/checkpoint"), ("tower_dtype", "int8"),
     ("bootstrap", "ipc:///tmp/x"), ("intake", "udp://x"),
     ("shm_prefix", "a/b"), ("max_live_rooms", 0), ("tower_replicas", 0), ("tower_replicas", 9),
     ("gpus", "0,1"), ("gpus", "x"), ("drain_timeout_s", -1.0), ("arena_cache_bytes", 1 << 40),
@@ -187,13 +187,13 @@ def test_every_key_has_one_line_of_help():
 
 def test_printed_configuration_loads_back_as_toml(tmp_path):
     cfg, sources = load_config(flags={"ring_bytes": 4096, "trust_client_hash": True, "tower_dtype": ""},
-                               environ={"EPD_SIM_TIME_PER_ROW_S": "2e-7"})
+                               environ={"EPD_STORE_GET_TIMEOUT_S": "2e-7"})
     text = format_config(cfg, sources)
     lines = text.splitlines()
     assert len(lines) == len(FIELDS)
     assert re.fullmatch(r"ring_bytes = 4096 +# --ring-bytes", lines[list(FIELDS).index("ring_bytes")])
-    assert re.fullmatch(r"sim_time_per_row_s = 2e-07 +# EPD_SIM_TIME_PER_ROW_S",
-                        lines[list(FIELDS).index("sim_time_per_row_s")])
+    assert re.fullmatch(r"store_get_timeout_s = 2e-07 +# EPD_STORE_GET_TIMEOUT_S",
+                        lines[list(FIELDS).index("store_get_timeout_s")])
     path = write(tmp_path, text)
     assert tomllib.loads(text) == dataclasses.asdict(cfg)
     again, again_sources = load_config(path, environ={})
@@ -319,3 +319,18 @@ def test_the_tower_takes_one_torch_thread_per_cpu_it_may_run_on():
                          env={**os.environ, "PYTHONPATH": root})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["1", "3"]
+
+
+def test_every_stage_is_given_its_settings():
+    """The runtime maps the configuration onto each stage's own settings type, all of its fields."""
+    from pipeline.runtime import stage_settings
+    from stages import registry
+
+    assert set(stage_settings.MAPPINGS) == set(registry.MODULES)
+    cfg = WorkerConfig(tower_replicas=2, preprocess_workers=2, max_items_per_batch=3,
+                       status_ipc_dirs="/run/a,/run/b").resolved()
+    made = {name: stage_settings.settings_of(name, cfg) for name in registry.stage_names(2, 2)}
+    assert made["scheduler"].max_items_per_batch == 3 and made["tower0"] is None
+    assert made["preprocess1"] == made["preprocess0"] and made["cache"].store is None
+    assert made["sender"].status_ipc_dirs == ("/run/a", "/run/b")
+    assert made["intake"].endpoint == cfg.intake and made["sender"].endpoint == cfg.bootstrap

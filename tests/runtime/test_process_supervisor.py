@@ -21,7 +21,7 @@ from pipeline.peers.client import Client, Item
 from pipeline.ops.metrics import MetricsServer, Snapshot, Totals
 from pipeline.ops.notify import Notifier
 from pipeline.peers.receiver import Receiver
-from tests.helpers import free_port, image
+from tests.helpers import free_port, image, with_sim_tower
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -312,6 +312,7 @@ def test_serve_speaks_to_systemd_and_answers_probes(mode, where, shm_prefix, tmp
                  ring_bytes=1 << 20, max_tombstones=1024, max_live_rooms=256,
                  metrics_endpoint=f"127.0.0.1:{metrics}", heartbeat_timeout_s=3.0, drain_timeout_s=8.0,
                  bootstrap_timeout_s=30.0)
+    flags = with_sim_tower(tmp_path, flags)  # the sim tower's settings: a file it reads
     cmd = [sys.executable, "run.py", "serve", "--mode", mode]
     for key, value in flags.items():
         cmd += ["--" + key.replace("_", "-"), str(value)]

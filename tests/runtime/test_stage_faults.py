@@ -15,7 +15,7 @@ import pytest
 from pipeline.peers.client import Client, Item
 from pipeline.peers.receiver import Receiver
 from stages import registry
-from tests.helpers import PipelineWorker, expected_sim_rows, free_port, image, sim_config
+from tests.helpers import PipelineWorker, expected_sim_rows, free_port, image, sim_config, with_sim_tower
 
 pytestmark = pytest.mark.timeout(300)
 _rooms = itertools.count(1)
@@ -212,10 +212,10 @@ def test_sigterm_right_after_a_burst_concludes_every_room_received(mode, drain_s
     (success, or "worker shutting down" once the drain's time is up), no segment is left,
     exit 0."""
     port = free_port()
+    sim = with_sim_tower(tmp_path, dict(tower="sim", sim_hidden=64, sim_deepstack_width=32, sim_time_per_row_s=0.0005))
     cmd = [sys.executable, "run.py", "serve", "--mode", mode, "--shm-prefix", shm_prefix,
            "--intake", f"ipc://{tmp_path}/intake.sock", "--bootstrap", f"tcp://127.0.0.1:{port}",
-           "--run-dir", str(tmp_path), "--tower", "sim", "--sim-hidden", "64",
-           "--sim-deepstack-width", "32", "--sim-time-per-row-s", "0.0005",
+           "--run-dir", str(tmp_path), "--tower", "sim", "--tower-config", sim["tower_config"],
            "--pixel-arena-bytes", str(64 << 20), "--embedding-arena-bytes", str(32 << 20),
            "--arena-cache-bytes", str(8 << 20), "--max-tombstones", "1024", "--max-live-rooms", "256",
            "--drain-timeout-s", drain_s]

@@ -23,7 +23,7 @@ import pytest
 from ipc import shm
 from pipeline.peers.client import Client, Item
 from pipeline.peers.receiver import Receiver
-from tests.helpers import free_port, image
+from tests.helpers import free_port, image, with_sim_tower
 from tests.runtime.test_process_supervisor import Listener, probe_until
 
 pytestmark = pytest.mark.timeout(240)
@@ -48,7 +48,7 @@ class Worker:
                      max_tombstones=1024, max_live_rooms=256, heartbeat_timeout_s=HEARTBEAT_S,
                      drain_timeout_s=5.0, bootstrap_timeout_s=60.0, restart_window_s=1.0, log_level="INFO",
                      metrics_endpoint=f"127.0.0.1:{self.metrics}")
-        flags.update(over)
+        flags = with_sim_tower(run_dir, {**flags, **over})  # the sim tower's settings: a file it reads
         cmd = [sys.executable, "run.py", "serve"]
         for key, value in flags.items():
             cmd += ["--" + key.replace("_", "-"), str(value)]

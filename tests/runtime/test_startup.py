@@ -20,7 +20,7 @@ from ipc import shm
 from pipeline.cli.config import WorkerConfig
 from pipeline.runtime.boards import Heartbeats
 from stages import registry
-from tests.helpers import free_port, sim_config, start_worker
+from tests.helpers import free_port, sim_config, start_worker, with_sim_tower
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -34,7 +34,7 @@ def serve_cmd(mode: str, prefix: str, where, **flags) -> list[str]:
                 bootstrap=f"tcp://127.0.0.1:{free_port()}", tower="sim", sim_hidden=64,
                 sim_deepstack_width=32, pixel_arena_bytes=16 << 20, embedding_arena_bytes=16 << 20,
                 arena_cache_bytes=4 << 20, ring_bytes=1 << 20, max_tombstones=1024, max_live_rooms=256)
-    args.update(flags)
+    args = with_sim_tower(where, {**args, **flags})  # the sim tower's settings: a file it reads
     cmd = [sys.executable, "run.py", "serve", "--mode", mode]
     for key, value in args.items():
         if value is not None:  # None: leave the setting at its default

@@ -202,12 +202,13 @@ def test_the_checkpoints_mean_and_std_are_the_workers(layout, tmp_path):
     from types import SimpleNamespace
 
     from pipeline.cli.config import WorkerConfig
+    from pipeline.runtime.stage_settings import preprocess_settings
     from stages.preprocess import image_settings
 
     pc = {"image_mean": [0.1, 0.2, 0.3], "image_std": [0.4, 0.5, 0.6], "rescale_factor": 0.5}
     (tmp_path / layout).write_text(json.dumps(pc if layout.startswith("pre") else {"image_processor": pc}))
     spec = SimpleNamespace(patch=14, merge=2, temporal_patch=2)
-    s = image_settings(WorkerConfig(tower="qwen3-vl", tower_config=str(tmp_path)), spec)
+    s = image_settings(preprocess_settings(WorkerConfig(tower="qwen3-vl", tower_config=str(tmp_path))), spec)
     assert (s.mean, s.std, s.rescale) == ((0.1, 0.2, 0.3), (0.4, 0.5, 0.6), 0.5)
-    s = image_settings(WorkerConfig(tower="qwen3-vl", tower_config="tiny"), spec)
+    s = image_settings(preprocess_settings(WorkerConfig(tower="qwen3-vl", tower_config="tiny")), spec)
     assert (s.mean, s.std) == (media.HALF, media.HALF)

@@ -380,3 +380,18 @@ def test_a_part_batch_waits_while_every_replica_computes(arenas):
     assert [[w.item for w in b.items] for _, b in sent][2:] == [[4, 5]], "idle again: what there is goes"
     _drop_sent(arenas, sent)
     assert arenas[0].live_leases() == [] and arenas[1].live_leases() == [], "leases leaked"
+
+
+def test_the_stage_is_built_from_its_settings_alone():
+    """No configuration of the worker's: its own settings type and the run's objects."""
+    from types import SimpleNamespace
+
+    from stages import scheduler
+    from stages.settings import SchedulerSettings
+
+    env = SimpleNamespace(spec=SimpleNamespace(row_bytes=256),
+                          shared=SimpleNamespace(pixel_arena=None, emb_arena=None))
+    stage = scheduler.build(env, SchedulerSettings(max_tokens_per_batch=64, max_items_per_batch=2, tower_replicas=2),
+                            "scheduler", lambda dest, rec: None, None)
+    assert (stage.queue.max_tokens_per_batch, stage.queue.max_items_per_batch) == (64, 2)
+    assert stage.towers == ["tower0", "tower1"]

@@ -416,6 +416,33 @@ def test_config_defaults_build_the_sim_towers_defaults():
     assert build_tower("sim", **WorkerConfig(tower="sim").tower_settings()).spec == build_tower("sim").spec
 
 
+def test_the_sim_tower_is_configured_by_its_settings_file(tmp_path):
+    """--tower sim: tower_config names its settings file (its checkpoint); its knobs are no
+    flags or EPD_ variables of the worker's."""
+    from pipeline.cli.config import FIELDS, ConfigError, WorkerConfig, load_config
+    from pipeline.testing.workers import with_sim_tower
+
+    given = with_sim_tower(tmp_path, dict(tower="sim", sim_hidden=64, sim_dtype="float16", sim_fail_batches=2))
+    tower = build_tower("sim", **WorkerConfig(**given).tower_settings())
+    assert (tower.spec.hidden, tower.spec.dtype, tower.fail_next) == (64, "float16", 2)
+    toml = tmp_path / "sim.toml"
+    toml.write_text('hidden = 32\ntime_per_row_s = 0\n[faults]\nload_s = 0\n')
+    assert WorkerConfig(tower="sim", tower_config=str(toml)).tower_settings() == dict(
+        hidden=32, time_per_row_s=0.0, load_s=0.0)
+    assert not [key for key in FIELDS if key.startswith("sim_")]
+    with pytest.raises(ConfigError, match="EPD_SIM_HIDDEN: no such setting"):
+        load_config(environ={"EPD_SIM_HIDDEN": "64"})
+    for text, problem in [("hiden = 3", "unknown setting 'hiden'"), ("hidden = 0", "hidden must be >= 1"),
+                          ('dtype = "int8"', "dtype must be one of"), ("hidden = 1.5", "hidden must be int"),
+                          ("[faults]\nfail_batches = -1", "fail_batches must be >= 0"), ("hidden =", "not valid TOML")]:
+        toml.write_text(text + "\n")
+        with pytest.raises(ConfigError) as e:
+            WorkerConfig(tower="sim", tower_config=str(toml)).resolved().validate()
+        assert e.value.key == "tower_config" and problem in str(e.value) and str(toml) in str(e.value), str(e.value)
+    with pytest.raises(ConfigError, match="cannot read it"):
+        WorkerConfig(tower="sim", tower_config=str(tmp_path / "none.toml")).resolved().validate()
+
+
 def test_qwen_tower_settings(tmp_path):
     from pipeline.cli.config import WorkerConfig
 
