@@ -118,10 +118,12 @@ def _capture(data: bytes, fmt: str):
 
     Never `release()`d: on a capture over a stream, OpenCV's release and then its
     destructor both free the stream (a crash); dropping the capture frees it once."""
-    import cv2
-    import cv2.videoio_registry as vr
-
     _check_magic(data, fmt)
+    try:
+        import cv2
+        import cv2.videoio_registry as vr
+    except ImportError:
+        raise MediaError("this worker has no OpenCV (opencv-python-headless) to decode video with") from None
     api = None
     for backend in vr.getStreamBufferedBackends():
         if not vr.hasBackend(backend):
@@ -265,6 +267,10 @@ def preprocess(
 
     `out`, if given, is where the patches go (a float32 view of that shape). MediaError
     says why a video fails."""
+    try:
+        import torch  # noqa: F401  (the sampling, resize and normalisation below are torch's)
+    except ImportError:
+        raise MediaError("this worker has no torch (the video processor resizes with it)") from None
     from ipc import media_torch
 
     s = settings

@@ -56,9 +56,10 @@ class IntakeStage(Stage):
                  max_pixel_bytes_per_request: int, max_live_rooms: int, trust_client_hash: bool = False,
                  custody=None, endpoint: str = "", max_frame: int = 0, journal=None,
                  content_key: bytes | None = None, image_pixels: tuple[int, int] = (56 * 56, 28 * 28 * 1280),
-                 image_backend: str = "pil"):
+                 image_backend: str = "pil", video: tuple[int, int, float] = (128 * 28 * 28, 28 * 28 * 768, 2.0)):
         super().__init__(emit, custody)
         self.image_pixels = image_pixels  # compressed images' min_pixels and max_pixels where an item gives none
+        self.video = video  # compressed videos' min_pixels, max_pixels and fps where an item gives none
         self.image_backend = image_backend  # whose processor's pixels the preprocess stage makes of them
         # Pixels are hashed under the run's secret key (the cache keys items by it): no peer can compute a key.
         self.content_key = content_key if content_key is not None else hashing.new_cache_key()
@@ -296,9 +297,14 @@ class IntakeStage(Stage):
         return hashes
 
     def _media(self, m: wire.MediaRef | None) -> tuple | None:
-        """A compressed image's WorkItem.media: its resize bounds made the worker's where it gives none."""
+        """A compressed item's WorkItem.media: its settings made the worker's where it gives none
+        (a video's min_frames and max_frames: vLLM's loader's, 4 and 768)."""
         if m is None:
             return None
+        if m.format in wire.VIDEO_FORMATS:
+            lo, hi, fps = self.video
+            return (m.format, m.size, m.min_pixels or lo, m.max_pixels or hi, m.fps or fps, m.min_frames or 4,
+                    m.max_frames or wire.MAX_MEDIA_FRAMES)
         return (m.format, m.size, m.min_pixels or self.image_pixels[0], m.max_pixels or self.image_pixels[1])
 
     def _read_item(self, it: wire.EncodeItem, taken: dict, lease: Lease) -> bytes | None:
@@ -307,8 +313,9 @@ class IntakeStage(Stage):
         # patches is the tower's, which the cache key names): a repeat skips the decode.
         kind = it.pixels.dtype
         if it.pixels.media is not None:
-            fmt, _, lo, hi = self._media(it.pixels.media)
-            kind = f"media|{fmt}|{lo}|{hi}|{self.image_backend}"
+            fmt, _, lo, hi, *video = self._media(it.pixels.media)
+            # A video's frames are resized by torch whatever image_backend says.
+            kind = f"media|{fmt}|{lo}|{hi}|" + ("|".join(map(repr, video)) if video else self.image_backend)
         hasher = (None if self.trust_client_hash and it.hash is not None
                   else hashing.cache_hasher(self.content_key, it.modality, it.grid_thw, kind))
         view = self.pixel_arena.view(lease)
@@ -379,4 +386,5 @@ def build(env, name, emit, custody) -> IntakeStage:
                        max_live_rooms=cfg.max_live_rooms, trust_client_hash=cfg.trust_client_hash,
                        custody=custody, endpoint=cfg.intake, max_frame=max_frame, journal=env.journal,
                        content_key=cache_key(cfg.cache_key_file, cfg.shm_prefix, env.run_id),
-                       image_pixels=(cfg.image_min_pixels, cfg.image_max_pixels), image_backend=cfg.image_backend)
+                       image_pixels=(cfg.image_min_pixels, cfg.image_max_pixels), image_backend=cfg.image_backend,
+                       video=(cfg.video_min_pixels, cfg.video_max_pixels, cfg.video_fps))

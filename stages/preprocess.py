@@ -1,4 +1,4 @@
-"""Preprocess: compressed images (protocol 1.2) decoded into the tower's patches.
+"""Preprocess: compressed images and videos (protocol 1.2) decoded into the tower's patches.
 
 A stage of its own, in its own process in the pipeline, because decoding runs native
 code on bytes a peer chose: a decoder that crashes or hangs takes this process alone,
@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ipc import media
+from ipc import media, media_video
 from ipc.arena import Arena, ArenaFull, Lease, StaleLease
 from ipc.stats import ReasonCode
 from stages import registry
@@ -27,7 +27,7 @@ log = logging.getLogger("epd.preprocess")
 
 
 class PreprocessStage(Stage):
-    """Misses of compressed images from the cache in; their patches to the scheduler.
+    """Misses of compressed images and videos from the cache in; their patches to the scheduler.
 
     The cache looked the item up by the keyed hash of its bytes and settings first, so
     a repeated image is never decoded. Each item's patches take a lease of their own in
@@ -40,8 +40,10 @@ class PreprocessStage(Stage):
     (stages/registry.py), which gives its owner number."""
 
     def __init__(self, emit, *, pixel_arena: Arena, settings: media.ImageSettings, custody=None,
-                 name: str = registry.PREPROCESS):
+                 name: str = registry.PREPROCESS, video: media_video.VideoSettings | None = None, tower: str = ""):
         super().__init__(emit, custody)
+        self.video = video  # None: this tower's video processor is not matched yet (its videos fail)
+        self.tower = tower
         self.name = name
         self.worker = registry.worker_of(name)
         self.owner = registry.owner_of(name)
@@ -75,8 +77,8 @@ class PreprocessStage(Stage):
         try:
             self.pixel_arena.transfer(w.pixels, registry.owner_of(source), self.owner)
         except StaleLease:
-            self.emit(registry.REAPER, RoomFailure(w.slot, w.room, f"the image's bytes were lost before decoding "
-                                                   f"({source} died)", ReasonCode.STAGE_DIED))
+            self.emit(registry.REAPER, RoomFailure(w.slot, w.room, f"the {w.modality}'s bytes were lost before "
+                                                   f"decoding ({source} died)", ReasonCode.STAGE_DIED))
             self.emit(registry.CACHE, PreprocessDone(self.worker))
             self.custody.release(w.slot, w.room)
             return
@@ -92,7 +94,7 @@ class PreprocessStage(Stage):
                 lease = None
             except ValueError:  # larger than the whole arena: it never fits
                 self.waiting.popleft()
-                self._fail(w, None, f"the image's patches ({w.n_patches * w.patch_dim * 4} bytes) are larger "
+                self._fail(w, None, f"the {w.modality}'s patches ({w.n_patches * w.patch_dim * 4} bytes) are larger "
                                     f"than the pixel arena ({self.pixel_arena.size} bytes)")
                 continue
             if lease is None:
@@ -101,25 +103,34 @@ class PreprocessStage(Stage):
             self._decode(w, lease)
 
     def _decode(self, w: WorkItem, lease: Lease) -> None:
-        fmt, _size, min_pixels, max_pixels = w.media
-        s = replace(self.settings, min_pixels=min_pixels, max_pixels=max_pixels)
+        fmt, _size, min_pixels, max_pixels, *sampling = w.media
         try:
             data = bytes(self.pixel_arena.view(w.pixels))
-            grid = media.image_grid(data, fmt, s)
+            if sampling:  # a video: fps, min_frames, max_frames
+                if self.video is None:
+                    raise media.MediaError(f"this worker's tower ({self.tower}) takes no compressed video yet")
+                fps, min_frames, max_frames = sampling
+                s = replace(self.video, min_pixels=min_pixels, max_pixels=max_pixels, fps=fps,
+                            min_frames=min_frames, max_frames=max_frames)
+                codec, grid = media_video, media_video.video_grid(data, fmt, s)
+            else:
+                s = replace(self.settings, min_pixels=min_pixels, max_pixels=max_pixels)
+                codec, grid = media, media.image_grid(data, fmt, s)
             if (grid,) != tuple(tuple(g) for g in w.grid_thw):
                 raise media.MediaError(
-                    f"grid_thw {[list(g) for g in w.grid_thw]} is not the image's {list(grid)} (min_pixels "
-                    f"{min_pixels}, max_pixels {max_pixels}, patch {s.patch}, merge {s.merge})")
+                    f"grid_thw {[list(g) for g in w.grid_thw]} is not the {w.modality}'s {list(grid)} (min_pixels "
+                    f"{min_pixels}, max_pixels {max_pixels}, patch {s.patch}, merge {s.merge}"
+                    + (f", fps {sampling[0]:g}, frames {sampling[1]}..{sampling[2]})" if sampling else ")"))
             if w.patch_dim != s.patch_dim:
                 raise media.MediaError(f"the tower's patch_dim {w.patch_dim} is not 3 channels of "
                                        f"{s.temporal_patch} x {s.patch} x {s.patch}")
             out = np.frombuffer(self.pixel_arena.view(lease), dtype=np.float32).reshape(w.n_patches, w.patch_dim)
-            media.preprocess(data, fmt, s, out=out)
+            codec.preprocess(data, fmt, s, out=out)
         except media.MediaError as e:
             self._fail(w, lease, f"item {w.item}: {e}")
             return
         except StaleLease:
-            self._fail(w, lease, "the image's bytes were lost before decoding", ReasonCode.STAGE_DIED)
+            self._fail(w, lease, f"the {w.modality}'s bytes were lost before decoding", ReasonCode.STAGE_DIED)
             return
         self.outcomes["decoded"] += 1
         self._drop(w.pixels)
@@ -129,7 +140,7 @@ class PreprocessStage(Stage):
 
     def _fail(self, w: WorkItem, lease: Lease | None, reason: str, code: ReasonCode | None = None) -> None:
         self.outcomes["failed"] += 1
-        log.debug("image failed to preprocess: room=%d item=%d reason=%s", w.room, w.item, reason)
+        log.debug("item failed to preprocess: room=%d item=%d reason=%s", w.room, w.item, reason)
         self._drop(w.pixels)
         if lease is not None:
             self._drop(lease)
@@ -168,6 +179,21 @@ def image_settings(cfg, spec) -> media.ImageSettings:
                                backend=cfg.image_backend)
 
 
+def video_settings(cfg, spec) -> media_video.VideoSettings | None:
+    """The video processor's settings for this tower: the image processor's patch
+    geometry, mean and std (Qwen2-VL's video processor shares them), the worker's frame
+    resize bounds, fps and bounds. None for a tower whose video processor and loader
+    are not matched yet (Qwen3-VL's sample and resize otherwise)."""
+    if cfg.tower == "qwen3-vl":
+        return None
+    s = image_settings(cfg, spec)
+    return media_video.VideoSettings(patch=s.patch, merge=s.merge, temporal_patch=s.temporal_patch,
+                                     min_pixels=cfg.video_min_pixels, max_pixels=cfg.video_max_pixels,
+                                     mean=s.mean, std=s.std, rescale=s.rescale, fps=cfg.video_fps,
+                                     max_decoded_pixels=cfg.max_decoded_pixels,
+                                     max_stream_pixels=cfg.max_video_decoded_pixels)
+
+
 def _processor_config(path: str) -> dict | None:
     """The image processor's settings in a checkpoint: preprocessor_config.json, or (as
     transformers 5 saves a processor) the image_processor map of processor_config.json."""
@@ -184,4 +210,4 @@ def _processor_config(path: str) -> dict | None:
 
 def build(env, name, emit, custody) -> PreprocessStage:
     return PreprocessStage(emit, pixel_arena=env.shared.pixel_arena, settings=image_settings(env.cfg, env.spec),
-                           custody=custody, name=name)
+                           custody=custody, name=name, video=video_settings(env.cfg, env.spec), tower=env.cfg.tower)

@@ -145,7 +145,18 @@ class WorkerConfig:
                                         "which transformers gives vLLM where torchvision is installed; the "
                                         "preprocess stage then loads torch)")
     max_decoded_pixels: int = setting(64 << 20, "compressed images: an image larger than this many pixels as "
-                                                "decoded fails its room, from its header, before any decode")
+                                                "decoded fails its room, from its header, before any decode "
+                                                "(for videos: each frame)")
+    video_min_pixels: int = setting(128 * 28 * 28, "compressed videos (protocol 1.2): each frame's min_pixels "
+                                                   "where an item gives none (the video processor's size."
+                                                   "shortest_edge)")
+    video_max_pixels: int = setting(28 * 28 * 768, "compressed videos: each frame's max_pixels where an item "
+                                                   "gives none (size.longest_edge)")
+    video_fps: float = setting(2.0, "compressed videos: frames sampled per second where an item gives none "
+                                    "(vLLM's loader default; it samples at most 30)")
+    max_video_decoded_pixels: int = setting(1 << 34, "compressed videos: a video whose frames up to the last "
+                                                     "sampled one hold more pixels than this fails its room, "
+                                                     "from its header, before any decode (its decode time)")
     cache_key_file: str = setting("", "a file of the key pixels are hashed under for the cache (32 bytes, or 64 "
                                       "hex digits; not readable by every user), to share one key among "
                                       "workers; '' for a random key of each run")
@@ -295,6 +306,7 @@ class WorkerConfig:
             "max_tombstones", "max_live_rooms", "max_held_allocs", "status_hwm", "ring_bytes",
             "max_status_sockets", "max_receivers_per_key",
             "restart_limit", "image_min_pixels", "image_max_pixels", "max_decoded_pixels",
+            "video_min_pixels", "video_max_pixels", "max_video_decoded_pixels",
         ]
         for name in positive:
             if getattr(self, name) < 1:
@@ -316,7 +328,7 @@ class WorkerConfig:
                               f"replica, tower_replicas), got {self.gpus!r}", "gpus")
         for name in ["bootstrap_timeout_s", "tombstone_ttl_s", "heartbeat_timeout_s",
                      "restart_window_s", "start_timeout_s", "stage_start_timeout_s", "status_socket_idle_s",
-                     "registration_idle_s",
+                     "registration_idle_s", "video_fps",
                      "max_deadline_s"]:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}", name)

@@ -22,7 +22,7 @@ _NP_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
 class Item:
     """One vision item. bfloat16 pixels are a uint16 array of their raw bits with dtype='bfloat16'.
 
-    A compressed image (protocol 1.2, `image_item`): `pixels` holds the file's bytes
+    A compressed image or video (protocol 1.2, `image_item`, `video_item`): `pixels` holds the file's bytes
     (uint8), `media` its format, and min_pixels/max_pixels the processor's bounds (0: the
     worker's); the worker decodes it."""
     modality: str
@@ -33,6 +33,9 @@ class Item:
     media: str | None = None
     min_pixels: int = 0
     max_pixels: int = 0
+    fps: float = 0.0  # a compressed video's sampling (`video_item`); 0: the worker's
+    min_frames: int = 0
+    max_frames: int = 0
 
     def dtype_name(self) -> str:
         if self.media is not None:
@@ -108,8 +111,9 @@ class Client:
         try:
             for it in items:
                 if it.media is not None:
-                    px = {"format": it.media, **{k: v for k, v in (("min_pixels", it.min_pixels),
-                                                                  ("max_pixels", it.max_pixels)) if v}}
+                    px = {"format": it.media, **{k: v for k, v in (
+                        ("min_pixels", it.min_pixels), ("max_pixels", it.max_pixels), ("fps", it.fps),
+                        ("min_frames", it.min_frames), ("max_frames", it.max_frames)) if v}}
                 else:
                     px = {"shape": list(it.pixels.shape), "dtype": it.dtype_name()}
                 if inline:
@@ -206,6 +210,24 @@ def image_item(data: bytes, fmt: str, *, min_pixels: int, max_pixels: int, patch
     grid = media.image_grid(data, fmt, settings)
     return Item("image", [list(grid)], np.frombuffer(data, dtype=np.uint8), media=fmt,
                 min_pixels=min_pixels, max_pixels=max_pixels)
+
+
+def video_item(data: bytes, fmt: str, *, min_pixels: int, max_pixels: int, fps: float = 2.0, min_frames: int = 4,
+               max_frames: int = 768, patch: int = 14, merge: int = 2, max_decoded_pixels: int = 64 << 20,
+               max_stream_pixels: int = 1 << 34) -> Item:
+    """A compressed video (mp4 or webm) as an item: its grid from the container's header
+    (OpenCV needed; no frame decoded but the one a seek to the stream's end reads). The
+    settings are sent with it, so they must be the model's processor's and loader's (vLLM's
+    defaults: 2 frames a second, 4 to 768 frames); patch and merge are the tower's.
+    ipc.media.MediaError if the header cannot be read or breaks a bound."""
+    from ipc import media_video
+
+    settings = media_video.VideoSettings(patch=patch, merge=merge, min_pixels=min_pixels, max_pixels=max_pixels,
+                                         fps=fps, min_frames=min_frames, max_frames=max_frames,
+                                         max_decoded_pixels=max_decoded_pixels, max_stream_pixels=max_stream_pixels)
+    grid = media_video.video_grid(data, fmt, settings)
+    return Item("video", [list(grid)], np.frombuffer(data, dtype=np.uint8), media=fmt, min_pixels=min_pixels,
+                max_pixels=max_pixels, fps=float(fps), min_frames=min_frames, max_frames=max_frames)
 
 
 def routing_key(items: list[Item]) -> int:
