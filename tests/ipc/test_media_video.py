@@ -43,6 +43,17 @@ def make_video(fmt: str = "mp4", fourcc: str = "mp4v", frames: int = 10, width: 
         os.unlink(path)
 
 
+def claiming_huge_frames(width: int = 16000, height: int = 16000) -> bytes:
+    """A webm of small frames whose header claims frames of width x height: its
+    PixelWidth and PixelHeight (2-byte EBML integers at 320x272) rewritten in place."""
+    data = bytearray(make_video("webm", "VP80", 4, 320, 272, 10.0))
+    for element, claimed in ((b"\xb0\x82\x01\x40", width), (b"\xba\x82\x01\x10", height)):
+        at = data.find(element)
+        assert at > 0, "the writer's header is not as this expects"
+        data[at + 2 : at + 4] = claimed.to_bytes(2, "big")
+    return bytes(data)
+
+
 # (format, fourcc, frames, width, height, source fps, settings): counts that sample every
 # frame, some, an odd count, a count padded to the temporal patch, frames not resized.
 CASES = {
@@ -134,6 +145,15 @@ def test_bounds_refuse_from_the_header():
     with pytest.raises(MediaError, match="max_stream_pixels"):
         mv.preprocess(data, "mp4", replace(SMALL, max_stream_pixels=64 * 48 * 9))
     mv.video_grid(data, "mp4", replace(SMALL, max_stream_pixels=64 * 48 * 10))
+
+
+def test_a_header_claiming_huge_frames_is_refused_before_any_decode():
+    data = claiming_huge_frames()
+    h = mv._header(mv._capture(data, "webm"))
+    assert (h.width, h.height) == (16000, 16000)
+    for call in (mv.video_grid, mv.preprocess):
+        with pytest.raises(MediaError, match="16000x16000 = 256000000 pixels decoded"):
+            call(data, "webm", SMALL)
 
 
 def test_hostile_videos_fail_with_a_reason():
