@@ -22,6 +22,11 @@ Qwen2VLVideoProcessor, so vLLM picks its `qwen2_vl` loader, vllm/multimodal/vide
     frames), rescales and normalises fused in float32, pads to a multiple of
     temporal_patch by repeating the last frame, and patchifies.
 
+For Qwen3-VL (Qwen3VLVideoProcessor, vLLM's `qwen3_vl` loader) the same, but n =
+int(frames / source fps * min(fps, 30)) clamped to [min_frames, max_frames] and the frame
+count, at numpy's rounded linspace indices, and the frames resized to Qwen3's smart
+resize, whose bounds are on all the frames together.
+
 Where vLLM goes on with fewer frames than it sampled (a frame that does not decode), this
 fails the item instead: the gateway declared its grid from the header, and the rows the
 prefill rank expects are that many.
@@ -36,11 +41,15 @@ from typing import Any
 
 import numpy as np
 
-from ipc.media import CLIP_MEAN, CLIP_STD, RESCALE, MediaError, smart_resize
+from ipc.media import CLIP_MEAN, CLIP_STD, MAX_ASPECT, RESCALE, MediaError, smart_resize
 
 FORMATS = ("mp4", "webm")
-MAX_FPS = 30  # vLLM's qwen2_vl loader samples at most this many frames a second
+MAX_FPS = 30  # vLLM's Qwen loaders sample at most this many frames a second
 MAX_FRAMES = 768  # and at most this many frames
+FAMILIES = ("qwen2", "qwen3")
+# Each family's video processor's size (shortest_edge, longest_edge) by default: Qwen2's
+# bounds each frame, Qwen3's all the frames together.
+DEFAULT_PIXELS = {"qwen2": (128 * 28 * 28, 28 * 28 * 768), "qwen3": (128 * 32 * 32, 32 * 32 * 768)}
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,7 @@ class VideoSettings:
     max_frames: int = MAX_FRAMES
     max_decoded_pixels: int = 64 << 20
     max_stream_pixels: int = 1 << 34
+    family: str = "qwen2"  # whose loader and processor: "qwen2" (Qwen2-VL, Qwen2.5-VL) or "qwen3" (Qwen3-VL)
 
     @property
     def patch_dim(self) -> int:
@@ -88,6 +98,7 @@ class VideoSettings:
                 self.fps,
                 self.min_frames,
                 self.max_frames,
+                self.family,
             )
         ).encode()
 
@@ -100,6 +111,17 @@ class Header:
     fps: float
     width: int
     height: int
+
+
+def family_of(tower: str) -> str:
+    """The video loader and processor family of a tower (pipeline/cli/config.py's names)."""
+    return "qwen3" if tower.startswith("qwen3") else "qwen2"
+
+
+def default_pixels(tower: str, min_pixels: int = 0, max_pixels: int = 0) -> tuple[int, int]:
+    """min_pixels and max_pixels, each the tower's video processor's default where 0."""
+    lo, hi = DEFAULT_PIXELS[family_of(tower)]
+    return min_pixels or lo, max_pixels or hi
 
 
 def _check_magic(data: bytes, fmt: str) -> None:
@@ -164,17 +186,27 @@ def _header(cap) -> Header:
 
 
 def frames_to_sample(h: Header, s: VideoSettings) -> tuple[int, int]:
-    """(n, count): vLLM's qwen2_vl loader's n, and how many indices torch.arange gives
-    for it (its size, ceil(frames / (frames / n)) in float64: n, or once in a while n + 1)."""
-    if not h.fps > 0 or not math.isfinite(h.fps):
-        raise MediaError("the video has no known frame rate (vLLM's Qwen2-VL sampling needs one)")
+    """(n, count): the loader's n, and how many frames it reads for it. qwen2: vLLM's
+    qwen2_vl loader, whose torch.arange gives ceil(frames / (frames / n)) indices (in
+    float64: n, or once in a while n + 1). qwen3: its qwen3_vl loader (a source of unknown
+    frame rate taken as 24 a second, as Hugging Face's processor takes it), n frames;
+    where those are all the frames vLLM has the processor sample again, with the same
+    arithmetic, which gives them all again."""
     if h.frames <= 0:
         raise MediaError("the video's container gives no frame count")
+    if s.family == "qwen3":
+        source_fps = h.fps if h.fps > 0 else 24.0
+        n = int(h.frames / source_fps * min(s.fps, MAX_FPS))
+        n = min(max(n, s.min_frames), min(s.max_frames, MAX_FRAMES), h.frames)
+        if n < s.temporal_patch:  # the processor's smart resize refuses fewer
+            raise MediaError(f"the video samples {n} frame(s): fewer than one temporal patch ({s.temporal_patch})")
+        return n, n
+    if not h.fps > 0 or not math.isfinite(h.fps):
+        raise MediaError("the video has no known frame rate (vLLM's Qwen2-VL sampling needs one)")
     tp = s.temporal_patch
     max_frames = math.floor(min(min(s.max_frames, MAX_FRAMES), h.frames) / tp) * tp
-    n = h.frames / h.fps * min(s.fps, MAX_FPS)
-    n = min(max(n, s.min_frames), max_frames, h.frames)
-    n = math.floor(n / tp) * tp
+    wanted = h.frames / h.fps * min(s.fps, MAX_FPS)
+    n = math.floor(min(max(wanted, s.min_frames), max_frames, h.frames) / tp) * tp
     if n <= 0:
         raise MediaError(f"the video has {h.frames} frame(s): fewer than one temporal patch ({tp}) to sample")
     return n, math.ceil(h.frames / (h.frames / n))
@@ -199,8 +231,37 @@ def _bounds(h: Header, s: VideoSettings, last_frame: int) -> None:
 def _grid(h: Header, s: VideoSettings, count: int) -> tuple[int, int, int, int, int]:
     """(resized height, resized width, grid t, grid h, grid w)."""
     _bounds(h, s, h.frames - 1)
-    rh, rw = smart_resize(h.height, h.width, s.patch * s.merge, s.min_pixels, s.max_pixels)
+    if s.family == "qwen3":
+        rh, rw = smart_resize_qwen3(
+            count, h.height, h.width, s.temporal_patch, s.patch * s.merge, s.min_pixels, s.max_pixels
+        )
+    else:
+        rh, rw = smart_resize(h.height, h.width, s.patch * s.merge, s.min_pixels, s.max_pixels)
     return rh, rw, -(-count // s.temporal_patch), rh // s.patch, rw // s.patch
+
+
+def smart_resize_qwen3(
+    frames: int, height: int, width: int, temporal_factor: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """Qwen3-VL's video smart resize (transformers' qwen3_vl video processor, the same
+    arithmetic): its bounds are on all the frames together."""
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > MAX_ASPECT:
+        raise MediaError(f"absolute aspect ratio must be at most {MAX_ASPECT} ({width}x{height})")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
 
 
 def video_grid(data: bytes, fmt: str, settings: VideoSettings) -> tuple[int, int, int]:
@@ -213,12 +274,14 @@ def video_grid(data: bytes, fmt: str, settings: VideoSettings) -> tuple[int, int
 
 
 def sample_indices(h: Header, s: VideoSettings) -> list[int]:
-    """The frames vLLM's qwen2_vl loader reads, in order, each once: its torch.arange call
+    """The frames vLLM's loader reads, in order, each once. qwen2: its torch.arange call
     itself (torch's float arange rounds by the CPU's vector width, so no other arithmetic
-    is sure to agree with it on every machine)."""
+    is sure to agree with it on every machine); qwen3: numpy's linspace, rounded."""
+    n, _ = frames_to_sample(h, s)
+    if s.family == "qwen3":
+        return sorted(set(np.linspace(0, h.frames - 1, n).round().astype(int).tolist()))
     import torch
 
-    n, _ = frames_to_sample(h, s)
     indices = torch.clamp(torch.arange(0, h.frames, h.frames / n).int(), max=h.frames - 1).tolist()
     return sorted(set(indices))
 

@@ -6,7 +6,7 @@ import time
 from collections import Counter
 from typing import NamedTuple
 
-from ipc import hashing, wire
+from ipc import hashing, media_video, wire
 from ipc.arena import Arena, ArenaFull, Lease
 from ipc.rooms import RoomState, RoomTable, TableFull
 from ipc.stats import ReasonCode, reason_class
@@ -387,4 +387,5 @@ def build(env, name, emit, custody) -> IntakeStage:
                        custody=custody, endpoint=cfg.intake, max_frame=max_frame, journal=env.journal,
                        content_key=cache_key(cfg.cache_key_file, cfg.shm_prefix, env.run_id),
                        image_pixels=(cfg.image_min_pixels, cfg.image_max_pixels), image_backend=cfg.image_backend,
-                       video=(cfg.video_min_pixels, cfg.video_max_pixels, cfg.video_fps))
+                       video=(*media_video.default_pixels(cfg.tower, cfg.video_min_pixels, cfg.video_max_pixels),
+                              cfg.video_fps))

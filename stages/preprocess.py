@@ -40,10 +40,9 @@ class PreprocessStage(Stage):
     (stages/registry.py), which gives its owner number."""
 
     def __init__(self, emit, *, pixel_arena: Arena, settings: media.ImageSettings, custody=None,
-                 name: str = registry.PREPROCESS, video: media_video.VideoSettings | None = None, tower: str = ""):
+                 name: str = registry.PREPROCESS, video: media_video.VideoSettings | None = None):
         super().__init__(emit, custody)
-        self.video = video  # None: this tower's video processor is not matched yet (its videos fail)
-        self.tower = tower
+        self.video = video or media_video.VideoSettings()
         self.name = name
         self.worker = registry.worker_of(name)
         self.owner = registry.owner_of(name)
@@ -107,8 +106,6 @@ class PreprocessStage(Stage):
         try:
             data = bytes(self.pixel_arena.view(w.pixels))
             if sampling:  # a video: fps, min_frames, max_frames
-                if self.video is None:
-                    raise media.MediaError(f"this worker's tower ({self.tower}) takes no compressed video yet")
                 fps, min_frames, max_frames = sampling
                 s = replace(self.video, min_pixels=min_pixels, max_pixels=max_pixels, fps=fps,
                             min_frames=min_frames, max_frames=max_frames)
@@ -179,19 +176,18 @@ def image_settings(cfg, spec) -> media.ImageSettings:
                                backend=cfg.image_backend)
 
 
-def video_settings(cfg, spec) -> media_video.VideoSettings | None:
+def video_settings(cfg, spec) -> media_video.VideoSettings:
     """The video processor's settings for this tower: the image processor's patch
-    geometry, mean and std (Qwen2-VL's video processor shares them), the worker's frame
-    resize bounds, fps and bounds. None for a tower whose video processor and loader
-    are not matched yet (Qwen3-VL's sample and resize otherwise)."""
-    if cfg.tower == "qwen3-vl":
-        return None
+    geometry, mean and std (Qwen's video processors share them), the worker's resize
+    bounds (else the tower's video processor's), fps and bounds, and whose loader and
+    processor (Qwen3-VL's sample and resize otherwise than Qwen2's)."""
     s = image_settings(cfg, spec)
+    lo, hi = media_video.default_pixels(cfg.tower, cfg.video_min_pixels, cfg.video_max_pixels)
     return media_video.VideoSettings(patch=s.patch, merge=s.merge, temporal_patch=s.temporal_patch,
-                                     min_pixels=cfg.video_min_pixels, max_pixels=cfg.video_max_pixels,
-                                     mean=s.mean, std=s.std, rescale=s.rescale, fps=cfg.video_fps,
-                                     max_decoded_pixels=cfg.max_decoded_pixels,
-                                     max_stream_pixels=cfg.max_video_decoded_pixels)
+                                     min_pixels=lo, max_pixels=hi, mean=s.mean, std=s.std, rescale=s.rescale,
+                                     fps=cfg.video_fps, max_decoded_pixels=cfg.max_decoded_pixels,
+                                     max_stream_pixels=cfg.max_video_decoded_pixels,
+                                     family=media_video.family_of(cfg.tower))
 
 
 def _processor_config(path: str) -> dict | None:
@@ -210,4 +206,4 @@ def _processor_config(path: str) -> dict | None:
 
 def build(env, name, emit, custody) -> PreprocessStage:
     return PreprocessStage(emit, pixel_arena=env.shared.pixel_arena, settings=image_settings(env.cfg, env.spec),
-                           custody=custody, name=name, video=video_settings(env.cfg, env.spec), tower=env.cfg.tower)
+                           custody=custody, name=name, video=video_settings(env.cfg, env.spec))

@@ -147,11 +147,11 @@ class WorkerConfig:
     max_decoded_pixels: int = setting(64 << 20, "compressed images: an image larger than this many pixels as "
                                                 "decoded fails its room, from its header, before any decode "
                                                 "(for videos: each frame)")
-    video_min_pixels: int = setting(128 * 28 * 28, "compressed videos (protocol 1.2): each frame's min_pixels "
-                                                   "where an item gives none (the video processor's size."
-                                                   "shortest_edge)")
-    video_max_pixels: int = setting(28 * 28 * 768, "compressed videos: each frame's max_pixels where an item "
-                                                   "gives none (size.longest_edge)")
+    video_min_pixels: int = setting(0, "compressed videos (protocol 1.2): the video processor's min_pixels where "
+                                       "an item gives none (its size.shortest_edge; Qwen3-VL's bounds all frames "
+                                       "together); 0: the tower's processor's default")
+    video_max_pixels: int = setting(0, "compressed videos: the video processor's max_pixels where an item gives "
+                                       "none (size.longest_edge); 0: the tower's processor's default")
     video_fps: float = setting(2.0, "compressed videos: frames sampled per second where an item gives none "
                                     "(vLLM's loader default; it samples at most 30)")
     max_video_decoded_pixels: int = setting(1 << 34, "compressed videos: a video whose frames up to the last "
@@ -306,7 +306,7 @@ class WorkerConfig:
             "max_tombstones", "max_live_rooms", "max_held_allocs", "status_hwm", "ring_bytes",
             "max_status_sockets", "max_receivers_per_key",
             "restart_limit", "image_min_pixels", "image_max_pixels", "max_decoded_pixels",
-            "video_min_pixels", "video_max_pixels", "max_video_decoded_pixels",
+            "max_video_decoded_pixels",
         ]
         for name in positive:
             if getattr(self, name) < 1:
@@ -332,7 +332,8 @@ class WorkerConfig:
                      "max_deadline_s"]:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}", name)
-        for name in ["arena_cache_bytes", "host_cache_bytes", "drain_timeout_s"]:
+        for name in ["arena_cache_bytes", "host_cache_bytes", "drain_timeout_s", "video_min_pixels",
+                     "video_max_pixels"]:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}", name)
         if self.arena_cache_bytes > self.embedding_arena_bytes // 2:

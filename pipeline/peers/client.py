@@ -214,17 +214,19 @@ def image_item(data: bytes, fmt: str, *, min_pixels: int, max_pixels: int, patch
 
 def video_item(data: bytes, fmt: str, *, min_pixels: int, max_pixels: int, fps: float = 2.0, min_frames: int = 4,
                max_frames: int = 768, patch: int = 14, merge: int = 2, max_decoded_pixels: int = 64 << 20,
-               max_stream_pixels: int = 1 << 34) -> Item:
+               max_stream_pixels: int = 1 << 34, family: str = "qwen2") -> Item:
     """A compressed video (mp4 or webm) as an item: its grid from the container's header
     (OpenCV needed; no frame decoded but the one a seek to the stream's end reads). The
     settings are sent with it, so they must be the model's processor's and loader's (vLLM's
-    defaults: 2 frames a second, 4 to 768 frames); patch and merge are the tower's.
-    ipc.media.MediaError if the header cannot be read or breaks a bound."""
+    defaults: 2 frames a second, 4 to 768 frames); patch, merge and family are the tower's
+    (family "qwen3" for Qwen3-VL, with patch 16). ipc.media.MediaError if the header cannot
+    be read or breaks a bound."""
     from ipc import media_video
 
     settings = media_video.VideoSettings(patch=patch, merge=merge, min_pixels=min_pixels, max_pixels=max_pixels,
                                          fps=fps, min_frames=min_frames, max_frames=max_frames,
-                                         max_decoded_pixels=max_decoded_pixels, max_stream_pixels=max_stream_pixels)
+                                         max_decoded_pixels=max_decoded_pixels, max_stream_pixels=max_stream_pixels,
+                                         family=family)
     grid = media_video.video_grid(data, fmt, settings)
     return Item("video", [list(grid)], np.frombuffer(data, dtype=np.uint8), media=fmt, min_pixels=min_pixels,
                 max_pixels=max_pixels, fps=float(fps), min_frames=min_frames, max_frames=max_frames)

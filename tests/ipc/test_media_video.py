@@ -1,9 +1,10 @@
-"""ipc/media_video.py: compressed videos to a Qwen vision tower's patches.
+"""ipc/media_video.py: compressed videos to a Qwen vision tower's patches (Qwen2.5-VL's and Qwen3-VL's).
 
 The videos are made here with OpenCV's own writer (its wheel's FFmpeg writes mp4 with
-mp4v, and webm with VP8 and VP9). The reference, vLLM 0.32's qwen2_vl loader and
-Hugging Face's Qwen2VLVideoProcessor, runs in .venv-vllm (as tests/ipc/test_media_torch.py
-does); the other tests need OpenCV and torch here, as the worker does."""
+mp4v, and webm with VP8 and VP9). The reference, vLLM 0.32's qwen2_vl and qwen3_vl
+loaders and Hugging Face's Qwen2VLVideoProcessor and Qwen3VLVideoProcessor, runs in
+.venv-vllm (as tests/ipc/test_media_torch.py does); the other tests need OpenCV and
+torch here, as the worker does."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 from ipc import media_video as mv
-from ipc.media import MediaError
+from ipc.media import HALF, MediaError
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -64,6 +65,58 @@ CASES = {
     "webm-vp8": ("webm", "VP80", 20, 80, 60, 5.0, replace(SMALL, fps=1.0)),
     "webm-vp9": ("webm", "VP90", 17, 100, 50, 8.0, replace(SMALL, fps=4.0)),
 }
+
+Q3 = mv.VideoSettings(patch=16, mean=HALF, std=HALF, family="qwen3", min_pixels=mv.DEFAULT_PIXELS["qwen3"][0],
+                      max_pixels=mv.DEFAULT_PIXELS["qwen3"][1])
+# Qwen3-VL's: some frames, an odd count (padded), frames narrower than a merged patch
+# (scaled up first), and every frame (where vLLM has the processor sample again).
+CASES_QWEN3 = {
+    "mp4-some": ("mp4", "mp4v", 30, 96, 72, 10.0, Q3),
+    "mp4-odd": ("mp4", "mp4v", 31, 70, 40, 30.0,
+                replace(Q3, fps=7.5, min_frames=2, max_frames=7, min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 40)),
+    "webm-narrow": ("webm", "VP90", 17, 20, 50, 8.0, replace(Q3, fps=4.0, min_pixels=32 * 32 * 2,
+                                                               max_pixels=32 * 32 * 64)),
+    "mp4-every-frame": ("mp4", "mp4v", 3, 64, 48, 24.0, Q3),
+    "webm-every-frame": ("webm", "VP90", 12, 48, 40, 4.0, replace(Q3, fps=4.0)),
+    "webm-vp8": ("webm", "VP80", 20, 80, 60, 5.0, replace(Q3, fps=1.0)),
+}
+
+CHECK_QWEN3 = """
+import sys
+sys.path[:0] = [".", "tests/ipc"]
+import numpy as np
+import test_media_video as tv
+from ipc import media_video as mv
+from vllm.multimodal.media.image import ImageMediaIO
+from vllm.multimodal.media.video import VideoMediaIO
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+from transformers.video_utils import VideoMetadata
+
+equal, differ = [], []
+for name, (fmt, fourcc, n, w, h, fps, s) in tv.CASES_QWEN3.items():
+    data = tv.make_video(fmt, fourcc, n, w, h, fps)
+    # What vLLM does for a Qwen3-VL video: its loader for Qwen3VLVideoProcessor, and the
+    # processor told to sample again where the loader took every frame
+    # (Qwen3VLMultiModalProcessor), with the same fps and frame bounds.
+    io = VideoMediaIO(ImageMediaIO(), video_backend="qwen3_vl", fps=s.fps, min_frames=s.min_frames,
+                      max_frames=s.max_frames)
+    frames, meta = io.load_bytes(data).media
+    again = meta["do_sample_frames"]
+    meta = VideoMetadata(**{k: v for k, v in meta.items() if k != "do_sample_frames"})
+    proc = Qwen3VLVideoProcessor(patch_size=s.patch, merge_size=s.merge, temporal_patch_size=s.temporal_patch,
+                                 size={"shortest_edge": s.min_pixels, "longest_edge": s.max_pixels},
+                                 image_mean=list(s.mean), image_std=list(s.std), fps=s.fps,
+                                 min_frames=s.min_frames, max_frames=s.max_frames)
+    ref = proc(videos=[frames], video_metadata=[meta], do_sample_frames=again, return_tensors="pt")
+    pixels, grid = ref["pixel_values_videos"].numpy(), ref["video_grid_thw"][0].tolist()
+    got, got_grid = mv.preprocess(data, fmt, s)
+    header_grid = mv.video_grid(data, fmt, s)
+    ok = got.shape == pixels.shape and np.array_equal(got, pixels) and list(got_grid) == grid == list(header_grid)
+    (equal if ok else differ).append(f"{name} {again} {grid} {list(got_grid)} {list(header_grid)}")
+print("equal", equal)
+print("differ", differ)
+sys.exit(1 if differ or not equal else 0)
+"""
 
 CHECK = """
 import sys, json
@@ -112,6 +165,16 @@ def test_pixels_equal_vllm_and_the_qwen2_vl_video_processor():
     assert "differ []" in proc.stdout, proc.stdout
 
 
+@pytest.mark.long
+def test_pixels_equal_vllm_and_the_qwen3_vl_video_processor():
+    """The same for Qwen3-VL: its loader's sampling, its processor's resize."""
+    assert VLLM_PYTHON.exists(), f"{VLLM_PYTHON} is missing: build it with scripts/setup_vllm.sh"
+    proc = subprocess.run([str(VLLM_PYTHON), "-c", CHECK_QWEN3], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "differ []" in proc.stdout, proc.stdout
+
+
 @pytest.mark.parametrize("name", ["mp4-some", "webm-vp9"])
 def test_the_header_grid_is_the_decoded_grid(name):
     pytest.importorskip("torch")
@@ -122,6 +185,18 @@ def test_the_header_grid_is_the_decoded_grid(name):
     assert pixels.shape == (grid[0] * grid[1] * grid[2], s.patch_dim)
     out = np.full_like(pixels, np.nan)
     assert mv.preprocess(data, fmt, s, out=out)[0] is out and np.array_equal(out, pixels)
+
+
+def test_qwen3_frames_sampled_as_its_loader_counts_them():
+    for frames, src, fps, lo, hi in [(300, 30.0, 2.0, 4, 768), (3, 24.0, 2.0, 4, 768), (90, 0.0, 2.0, 4, 768),
+                                     (5000, 25.0, 30.0, 4, 768), (40, 10.0, 1.0, 8, 12)]:
+        s = replace(Q3, fps=fps, min_frames=lo, max_frames=hi)
+        n, count = mv.frames_to_sample(mv.Header(frames, src, 64, 48), s)
+        want = min(max(int(frames / (src or 24.0) * min(fps, 30)), lo), hi, frames)
+        assert n == count == want
+        assert len(mv.sample_indices(mv.Header(frames, src, 64, 48), s)) == n
+    with pytest.raises(MediaError, match="fewer than one temporal patch"):
+        mv.frames_to_sample(mv.Header(1, 24.0, 64, 48), Q3)
 
 
 def test_frames_sampled_as_the_processor_counts_them():
@@ -192,5 +267,6 @@ def test_hostile_videos_fail_with_a_reason():
 def test_settings_that_change_the_pixels_change_the_key():
     keys = {s.key() for s in [SMALL, replace(SMALL, fps=1.0), replace(SMALL, min_frames=2),
                               replace(SMALL, max_frames=8), replace(SMALL, max_pixels=28 * 28 * 32)]}
-    assert len(keys) == 5
+    keys.add(replace(SMALL, family="qwen3").key())
+    assert len(keys) == 6
     assert replace(SMALL, max_stream_pixels=1).key() == SMALL.key()  # a bound, not the pixels
