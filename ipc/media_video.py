@@ -37,7 +37,7 @@ from __future__ import annotations
 import io
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -286,7 +286,7 @@ def sample_indices(h: Header, s: VideoSettings) -> list[int]:
     return sorted(set(indices))
 
 
-def _read(cap, h: Header, indices: list[int], fmt: str, resize) -> list[np.ndarray]:
+def _read(cap, h: Header, indices: list[int], fmt: str, resize, progress) -> list[np.ndarray]:
     """The sampled frames, each resized as it is read: vLLM's read without recovery, but a
     sampled frame that does not decode fails the item (the grid was declared from the header)."""
     import cv2
@@ -295,6 +295,8 @@ def _read(cap, h: Header, indices: list[int], fmt: str, resize) -> list[np.ndarr
     frames = []
     for idx in range(indices[-1] + 1):
         ok = cap.grab()
+        if progress is not None:
+            progress()
         if idx not in wanted:
             continue
         frame = cap.retrieve()[1] if ok else None
@@ -324,12 +326,17 @@ def _resizer(rh: int, rw: int):
 
 
 def preprocess(
-    data: bytes, fmt: str, settings: VideoSettings, out: np.ndarray | None = None
+    data: bytes,
+    fmt: str,
+    settings: VideoSettings,
+    out: np.ndarray | None = None,
+    progress: Callable[[], None] | None = None,
 ) -> tuple[np.ndarray, tuple[int, int, int]]:
     """pixel_values [gt * gh * gw, patch_dim] float32 and grid_thw (gt, gh, gw) of one video.
 
-    `out`, if given, is where the patches go (a float32 view of that shape). MediaError
-    says why a video fails."""
+    `out`, if given, is where the patches go (a float32 view of that shape). `progress`,
+    if given, is called at each frame decoded: a long video is not a hung decoder, one
+    frame that never ends is. MediaError says why a video fails."""
     try:
         import torch  # noqa: F401  (the sampling, resize and normalisation below are torch's)
     except ImportError:
@@ -345,7 +352,7 @@ def preprocess(
     if len(indices) != count:  # a clamp made two indices one: vLLM reads one frame fewer
         raise MediaError(f"sampling {n} of {h.frames} frames reads {len(indices)}, not {count}")
     try:
-        frames = _read(cap, h, indices, fmt, _resizer(rh, rw))
+        frames = _read(cap, h, indices, fmt, _resizer(rh, rw), progress)
     except MediaError:
         raise
     except Exception as e:  # OpenCV and torch raise their own kinds on data they cannot take

@@ -19,7 +19,7 @@ import numpy as np
 from ipc import media, media_video
 from ipc.arena import Arena, ArenaFull, Lease, StaleLease
 from ipc.stats import ReasonCode
-from stages import registry
+from stages import progress, registry
 from stages.base import POLL_S, Stage
 from stages.records import EncodeFailed, PreprocessDone, PreprocessRestarted, RoomFailure, WorkItem
 
@@ -109,10 +109,10 @@ class PreprocessStage(Stage):
                 fps, min_frames, max_frames = sampling
                 s = replace(self.video, min_pixels=min_pixels, max_pixels=max_pixels, fps=fps,
                             min_frames=min_frames, max_frames=max_frames)
-                codec, grid = media_video, media_video.video_grid(data, fmt, s)
+                grid = media_video.video_grid(data, fmt, s)
             else:
                 s = replace(self.settings, min_pixels=min_pixels, max_pixels=max_pixels)
-                codec, grid = media, media.image_grid(data, fmt, s)
+                grid = media.image_grid(data, fmt, s)
             if (grid,) != tuple(tuple(g) for g in w.grid_thw):
                 raise media.MediaError(
                     f"grid_thw {[list(g) for g in w.grid_thw]} is not the {w.modality}'s {list(grid)} (min_pixels "
@@ -122,7 +122,10 @@ class PreprocessStage(Stage):
                 raise media.MediaError(f"the tower's patch_dim {w.patch_dim} is not 3 channels of "
                                        f"{s.temporal_patch} x {s.patch} x {s.patch}")
             out = np.frombuffer(self.pixel_arena.view(lease), dtype=np.float32).reshape(w.n_patches, w.patch_dim)
-            codec.preprocess(data, fmt, s, out=out)
+            if sampling:  # each frame moves the heartbeat on: a long video is not a hung decoder
+                media_video.preprocess(data, fmt, s, out=out, progress=progress.report)
+            else:
+                media.preprocess(data, fmt, s, out=out)
         except media.MediaError as e:
             self._fail(w, lease, f"item {w.item}: {e}")
             return

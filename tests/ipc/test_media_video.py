@@ -199,6 +199,16 @@ def test_qwen3_frames_sampled_as_its_loader_counts_them():
         mv.frames_to_sample(mv.Header(1, 24.0, 64, 48), Q3)
 
 
+def test_progress_is_told_at_each_frame_decoded():
+    """The preprocess stage moves its heartbeat on at each: a long video is not a hang."""
+    pytest.importorskip("torch")
+    data = make_video(frames=30, fps=10.0)
+    calls = []
+    mv.preprocess(data, "mp4", SMALL, progress=lambda: calls.append(1))
+    h = mv._header(mv._capture(data, "mp4"))
+    assert len(calls) == mv.sample_indices(h, SMALL)[-1] + 1 > 1
+
+
 def test_frames_sampled_as_the_processor_counts_them():
     """n: Hugging Face's Qwen2VLVideoProcessor.sample_frames arithmetic (fps mode), which
     vLLM's loader ports; the grid's t is that over the temporal patch."""
