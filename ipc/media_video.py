@@ -169,20 +169,25 @@ def _capture(data: bytes, fmt: str):
     return cap
 
 
-def _header(cap) -> Header:
+def _header(cap, s: VideoSettings | None = None) -> Header:
     """vLLM's get_video_metadata, the same calls: the frame count, checked by a seek to
-    the end against an edit list that hides frames."""
+    the end against an edit list that hides frames. With settings, the bounds are
+    checked first on the header's own count and size: the seek decodes a frame (and
+    those before it since a keyframe)."""
     import cv2
 
     total = int(cap.get(cv2.CAP_PROP_FRAME_COUNT))
     fps = cap.get(cv2.CAP_PROP_FPS)
+    width, height = int(cap.get(cv2.CAP_PROP_FRAME_WIDTH)), int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT))
+    if s is not None:
+        _bounds(Header(total, fps, width, height), s, total - 1)
     if total > 0 and cap.set(cv2.CAP_PROP_POS_AVI_RATIO, 1.0):
         visible = int(cap.get(cv2.CAP_PROP_POS_FRAMES))
         at_end = not cap.grab()
         cap.set(cv2.CAP_PROP_POS_FRAMES, 0)
         if at_end and 0 < visible < total - 1:
             total = visible
-    return Header(total, fps, int(cap.get(cv2.CAP_PROP_FRAME_WIDTH)), int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT)))
+    return Header(total, fps, width, height)
 
 
 def frames_to_sample(h: Header, s: VideoSettings) -> tuple[int, int]:
@@ -223,7 +228,7 @@ def _bounds(h: Header, s: VideoSettings, last_frame: int) -> None:
         )
     if (last_frame + 1) * pixels > s.max_stream_pixels:
         raise MediaError(
-            f"sampling the video decodes {last_frame + 1} frames of {h.width}x{h.height}; this worker "
+            f"the video's header gives {last_frame + 1} frames of {h.width}x{h.height} to decode; this worker "
             f"decodes at most {s.max_stream_pixels} pixels per video (max_stream_pixels)"
         )
 
@@ -267,7 +272,7 @@ def smart_resize_qwen3(
 def video_grid(data: bytes, fmt: str, settings: VideoSettings) -> tuple[int, int, int]:
     """The item's grid_thw, [t, h, w] in patches, from the container alone (no frame
     decoded but the one a seek to the end reads). MediaError if it breaks a bound."""
-    h = _header(_capture(data, fmt))  # dropped, never released: see _capture
+    h = _header(_capture(data, fmt), settings)  # dropped, never released: see _capture
     _, count = frames_to_sample(h, settings)
     _, _, gt, gh, gw = _grid(h, settings, count)
     return (gt, gh, gw)
@@ -345,7 +350,7 @@ def preprocess(
 
     s = settings
     cap = _capture(data, fmt)
-    h = _header(cap)
+    h = _header(cap, s)
     n, count = frames_to_sample(h, s)
     rh, rw, gt, gh, gw = _grid(h, s, count)
     indices = sample_indices(h, s)

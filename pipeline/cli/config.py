@@ -154,9 +154,9 @@ class WorkerConfig:
                                        "none (size.longest_edge); 0: the tower's processor's default")
     video_fps: float = setting(2.0, "compressed videos: frames sampled per second where an item gives none "
                                     "(vLLM's loader default; it samples at most 30)")
-    max_video_decoded_pixels: int = setting(1 << 34, "compressed videos: a video whose frames up to the last "
-                                                     "sampled one hold more pixels than this fails its room, "
-                                                     "from its header, before any decode (its decode time)")
+    max_video_decoded_pixels: int = setting(1 << 34, "compressed videos: a video whose header gives frames "
+                                                     "of more pixels than this in all fails its room, before "
+                                                     "any decode (this bounds its decode time)")
     cache_key_file: str = setting("", "a file of the key pixels are hashed under for the cache (32 bytes, or 64 "
                                       "hex digits; not readable by every user), to share one key among "
                                       "workers; '' for a random key of each run")

@@ -55,6 +55,15 @@ def claiming_huge_frames(width: int = 16000, height: int = 16000) -> bytes:
     return bytes(data)
 
 
+def claiming_many_frames(frames: int = 100_000_000) -> bytes:
+    """An mp4 of 10 frames whose sample table (its stts box's one entry) claims `frames`."""
+    data = bytearray(make_video())
+    at = data.find(b"stts")
+    assert at > 0 and data[at + 8 : at + 12] == (1).to_bytes(4, "big"), "the writer's header is not as expected"
+    data[at + 12 : at + 16] = frames.to_bytes(4, "big")
+    return bytes(data)
+
+
 # (format, fourcc, frames, width, height, source fps, settings): counts that sample every
 # frame, some, an odd count, a count padded to the temporal patch, frames not resized.
 CASES = {
@@ -239,6 +248,13 @@ def test_a_header_claiming_huge_frames_is_refused_before_any_decode():
     for call in (mv.video_grid, mv.preprocess):
         with pytest.raises(MediaError, match="16000x16000 = 256000000 pixels decoded"):
             call(data, "webm", SMALL)
+
+
+def test_a_header_claiming_many_frames_is_refused_before_any_decode():
+    """Refused on the header's count, before the seek to the end (which would decode)."""
+    for call in (mv.video_grid, mv.preprocess):
+        with pytest.raises(MediaError, match="100000000 frames of 64x48"):
+            call(claiming_many_frames(), "mp4", SMALL)
 
 
 def test_hostile_videos_fail_with_a_reason():

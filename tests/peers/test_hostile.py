@@ -423,6 +423,8 @@ INTAKE_CASES = [
     ("video not its grid", ("fail", "is not the video's"), lambda c, r: c.msg(r, items=[c.video()])),
     ("video claiming huge frames", ("fail", "max_decoded_pixels"),
      lambda c, r: c.msg(r, items=[c.video(_claiming_huge_frames(), format="webm")])),
+    ("video claiming many frames", ("fail", "max_stream_pixels"),
+     lambda c, r: c.msg(r, items=[c.video(_claiming_many_frames())])),
     ("video fps zero", ("fail", "media.fps"), lambda c, r: c.msg(r, items=[c.video(fps=0)])),
     ("video fps as string", ("fail", "media.fps"), lambda c, r: c.msg(r, items=[c.video(fps="2")])),
     ("video fps infinite", ("fail", "media.fps"), lambda c, r: c.msg(r, items=[c.video(fps=float("inf"))])),
@@ -445,6 +447,12 @@ def _claiming_huge_frames() -> bytes:
     from tests.ipc.test_media_video import claiming_huge_frames
 
     return claiming_huge_frames()
+
+
+def _claiming_many_frames() -> bytes:
+    from tests.ipc.test_media_video import claiming_many_frames
+
+    return claiming_many_frames()
 if os.geteuid() != 0:  # only root can give a file away
     INTAKE_CASES = [c for c in INTAKE_CASES if c[0] != "segment of another user"]
 
