@@ -46,6 +46,7 @@ from ipc.media import CLIP_MEAN, CLIP_STD, MAX_ASPECT, RESCALE, MediaError, smar
 FORMATS = ("mp4", "webm")
 MAX_FPS = 30  # vLLM's Qwen loaders sample at most this many frames a second
 MAX_FRAMES = 768  # and at most this many frames
+MIN_FRAMES = 4  # and, by default, at least this many
 FAMILIES = ("qwen2", "qwen3")
 # Each family's video processor's size (shortest_edge, longest_edge) by default: Qwen2's
 # bounds each frame, Qwen3's all the frames together.
@@ -73,7 +74,7 @@ class VideoSettings:
     std: tuple[float, float, float] = CLIP_STD
     rescale: float = RESCALE
     fps: float = 2.0
-    min_frames: int = 4
+    min_frames: int = MIN_FRAMES
     max_frames: int = MAX_FRAMES
     max_decoded_pixels: int = 64 << 20
     max_stream_pixels: int = 1 << 34

@@ -303,8 +303,8 @@ class IntakeStage(Stage):
             return None
         if m.format in wire.VIDEO_FORMATS:
             lo, hi, fps = self.video
-            return (m.format, m.size, m.min_pixels or lo, m.max_pixels or hi, m.fps or fps, m.min_frames or 4,
-                    m.max_frames or wire.MAX_MEDIA_FRAMES)
+            return (m.format, m.size, m.min_pixels or lo, m.max_pixels or hi, m.fps or fps,
+                    m.min_frames or media_video.MIN_FRAMES, m.max_frames or media_video.MAX_FRAMES)
         return (m.format, m.size, m.min_pixels or self.image_pixels[0], m.max_pixels or self.image_pixels[1])
 
     def _read_item(self, it: wire.EncodeItem, taken: dict, lease: Lease) -> bytes | None:
