@@ -47,7 +47,6 @@ FORMATS = ("mp4", "webm")
 MAX_FPS = 30  # vLLM's Qwen loaders sample at most this many frames a second
 MAX_FRAMES = 768  # and at most this many frames
 MIN_FRAMES = 4  # and, by default, at least this many
-FAMILIES = ("qwen2", "qwen3")
 # Each family's video processor's size (shortest_edge, longest_edge) by default: Qwen2's
 # bounds each frame, Qwen3's all the frames together.
 DEFAULT_PIXELS = {"qwen2": (128 * 28 * 28, 28 * 28 * 768), "qwen3": (128 * 32 * 32, 32 * 32 * 768)}
@@ -55,8 +54,9 @@ DEFAULT_PIXELS = {"qwen2": (128 * 28 * 28, 28 * 28 * 768), "qwen3": (128 * 32 * 
 
 @dataclass(frozen=True)
 class VideoSettings:
-    """The processor's settings for a video: the tower's patch geometry, each frame's
-    resize bounds, the sampling (fps, min_frames, max_frames), and this worker's bounds.
+    """The processor's settings for a video: the tower's patch geometry, the resize
+    bounds (Qwen2's on each frame, Qwen3's on all the frames together), the sampling (fps,
+    min_frames, max_frames), whose loader and processor (`family`), and this worker's bounds.
 
     max_decoded_pixels bounds one frame as decoded (vLLM's VLLM_MAX_IMAGE_PIXELS check);
     max_stream_pixels bounds the frames decoded for one item (every frame up to the last
