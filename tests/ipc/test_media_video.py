@@ -71,6 +71,8 @@ CASES = {
     "mp4-all": ("mp4", "mp4v", 9, 64, 48, 24.0, mv.VideoSettings()),
     "mp4-same-size": ("mp4", "mp4v", 12, 56, 56, 6.0, replace(SMALL, min_pixels=56 * 56, max_pixels=56 * 56)),
     "mp4-fps": ("mp4", "mp4v", 31, 70, 40, 30.0, replace(SMALL, fps=7.5, min_frames=2, max_frames=6)),
+    # 14 frames asked, 15 indices from torch's arange (its size rounds up), padded to 16.
+    "mp4-one-more": ("mp4", "mp4v", 17, 64, 48, 10.0, replace(SMALL, fps=8.5)),
     "webm-vp8": ("webm", "VP80", 20, 80, 60, 5.0, replace(SMALL, fps=1.0)),
     "webm-vp9": ("webm", "VP90", 17, 100, 50, 8.0, replace(SMALL, fps=4.0)),
 }
@@ -228,6 +230,7 @@ def test_frames_sampled_as_the_processor_counts_them():
         max_frames = (min(hi, 768, frames) // 2) * 2
         want = min(max(frames / src * min(fps, 30), lo), max_frames, frames) // 2 * 2
         assert n == want and count in (n, n + 1)
+    assert mv.frames_to_sample(mv.Header(17, 10.0, 64, 48), replace(SMALL, fps=8.5)) == (14, 15)
 
 
 def test_bounds_refuse_from_the_header():
