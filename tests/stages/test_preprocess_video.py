@@ -119,3 +119,21 @@ def test_compressed_videos_give_the_rows_of_their_pixels_and_hostile_ones_fail_a
     decoded = w.stats().get("preprocess_items", {}).get("decoded", 0)
     # Each distinct video and settings is decoded once: repeats are cache hits or wait on the first.
     assert decoded == len(good) + 2, w.stats().get("preprocess_items")
+
+
+def test_video_settings_follow_the_tower():
+    """Qwen3-VL's loader and processor, patch 16, mean and std 0.5 and its processor's
+    default bounds; Qwen2.5-VL's otherwise; the worker's own bounds where it sets them."""
+    from types import SimpleNamespace
+
+    from ipc.media import CLIP_MEAN, HALF
+    from pipeline.cli.config import WorkerConfig
+    from stages.preprocess import video_settings
+
+    s = video_settings(WorkerConfig(tower="qwen3-vl", tower_config="tiny"),
+                       SimpleNamespace(patch=16, merge=2, temporal_patch=2))
+    assert (s.family, s.patch, s.mean, s.min_pixels, s.max_pixels) == ("qwen3", 16, HALF, *mv.DEFAULT_PIXELS["qwen3"])
+    s = video_settings(WorkerConfig(tower="qwen2.5-vl", video_max_pixels=28 * 28 * 64, video_fps=1.0),
+                       SimpleNamespace(patch=14, merge=2, temporal_patch=2))
+    assert (s.family, s.patch, s.mean, s.min_pixels, s.max_pixels, s.fps) == (
+        "qwen2", 14, CLIP_MEAN, mv.DEFAULT_PIXELS["qwen2"][0], 28 * 28 * 64, 1.0)
