@@ -57,11 +57,16 @@ def cache_hasher(key: bytes, modality: str, grid_thw, pixel_dtype: str):
     return h
 
 
-def media_kind(fmt: str, min_pixels: int, max_pixels: int, backend: str) -> str:
-    """The `pixel_dtype` a compressed image's bytes are hashed under: its settings, so
-    that the same bytes under other settings (other patches) are another entry. Intake
-    hashes inline and segment bytes with it, the preprocess stage fetched ones."""
-    return f"media|{fmt}|{min_pixels}|{max_pixels}|{backend}"
+def media_kind(media: tuple, backend: str) -> str:
+    """The `pixel_dtype` a compressed item's bytes are hashed under: its settings, so that
+    the same bytes under other settings (other patches) are another entry. `media` is
+    WorkItem.media, (format, size, min_pixels, max_pixels), a video's with (fps,
+    min_frames, max_frames) after. Intake hashes inline and segment bytes with it, the
+    preprocess stage fetched ones."""
+    fmt, _, lo, hi, *video = media
+    # A video's frames are resized by torch whatever the image backend says.
+    tail = "|".join(map(repr, video)) if video else backend
+    return f"media|{fmt}|{lo}|{hi}|{tail}"
 
 
 def _hash_header(modality: str, grid_thw, pixel_dtype: str) -> bytes:

@@ -97,7 +97,7 @@ class PixelsRef:
     dtype: str
     shm: str | None = None
     data: bytes | None = None
-    media: MediaRef | None = None  # compressed (protocol 1.2): these bytes are the image file's
+    media: MediaRef | None = None  # compressed (protocol 1.2): these bytes are the image's or video's file
 
     @property
     def nbytes(self) -> int:
@@ -108,14 +108,18 @@ class PixelsRef:
 
 @dataclass(frozen=True)
 class MediaRef:
-    """A compressed image (protocol 1.2): its format, its size in bytes, the processor's
-    resize bounds the gateway asked for (0: the worker's own)."""
+    """A compressed image or video (protocol 1.2): its format, its size in bytes, the
+    processor's resize bounds the gateway asked for (0: the worker's own), and a video's
+    sampling: frames per second and bounds on the frames sampled (0: the worker's own)."""
 
     format: str
     size: int
     min_pixels: int = 0
     max_pixels: int = 0
     url: str = ""  # an http(s) URL to fetch the bytes from (size 0 until then)
+    fps: float = 0.0
+    min_frames: int = 0
+    max_frames: int = 0
 
 
 @dataclass
@@ -198,11 +202,14 @@ def _parse_item(i: int, it) -> EncodeItem:
     if "media" in it:
         if "pixels" in it:
             raise ProtocolError(f"item {i}: an item has pixels or media, not both")
-        if modality != "image":
-            raise ProtocolError(f"item {i}: media items are images (video is not taken compressed yet)")
         ref = _parse_media(i, it["media"])
-        if len(thw) != 1 or thw[0][0] != 1:
+        assert ref.media is not None
+        if (ref.media.format in VIDEO_FORMATS) != (modality == "video"):
+            raise ProtocolError(f"item {i}: media.format {ref.media.format} is not {modality}")
+        if modality == "image" and (len(thw) != 1 or thw[0][0] != 1):
             raise ProtocolError(f"item {i}: an image's grid_thw is one [1, h, w]")
+        if len(thw) != 1:
+            raise ProtocolError(f"item {i}: a compressed video's grid_thw is one [t, h, w]")
         h = it.get("hash")
         if h is not None and not is_u64(h):
             raise ProtocolError(f"item {i}: hash must be an unsigned 64-bit integer")
@@ -234,10 +241,13 @@ def _parse_item(i: int, it) -> EncodeItem:
     return EncodeItem(modality, thw, ref, h)
 
 
-MEDIA_FORMATS = ("jpeg", "png", "webp")
+VIDEO_FORMATS = ("mp4", "webm")
+MEDIA_FORMATS = ("jpeg", "png", "webp", *VIDEO_FORMATS)
 MAX_MEDIA_PIXELS = 1 << 30  # bounds on min_pixels and max_pixels as numbers; the worker has its own
 _HTTP = ("http://", "https://")
-_DATA_URL = re.compile(r"data:image/(jpeg|jpg|png|webp);base64,", re.I)
+MAX_MEDIA_FRAMES = 768  # a video's min_frames and max_frames: vLLM's Qwen loaders sample no more
+MAX_MEDIA_FPS = 1000.0  # a number's bound only: vLLM's Qwen loaders sample at most 30 a second
+_DATA_URL = re.compile(r"data:(?:image/(jpeg|jpg|png|webp)|video/(mp4|webm));base64,", re.I)
 
 
 def _parse_media(i: int, m) -> PixelsRef:
@@ -271,13 +281,15 @@ def _parse_media(i: int, m) -> PixelsRef:
         match = _DATA_URL.match(text) if isinstance(text, str) else None
         if match is None:
             raise ProtocolError(
-                f"item {i}: media.url must be a data:image/(jpeg|png|webp);base64, URL or an http(s) URL"
+                f"item {i}: media.url must be a data:image/(jpeg|png|webp);base64, or "
+                f"data:video/(mp4|webm);base64, URL, or an http(s) URL"
             )
         try:
             data = base64.b64decode(text[match.end() :], validate=True)
         except ValueError:
             raise ProtocolError(f"item {i}: media.url is not valid base64") from None
-        fmt = fmt or {"jpg": "jpeg"}.get(match.group(1).lower(), match.group(1).lower())
+        named = (match.group(1) or match.group(2)).lower()
+        fmt = fmt or {"jpg": "jpeg"}.get(named, named)
     elif sources[0] == "data":
         data = m["data"]
         if not isinstance(data, bytes):
@@ -291,9 +303,27 @@ def _parse_media(i: int, m) -> PixelsRef:
     size = len(data) if data is not None else 0 if url else m.get("size")
     if not (is_int(size) and (1 <= size <= 1 << 40 or (url and size == 0))):
         raise ProtocolError(f"item {i}: media must have 1 or more bytes (media.size with media.shm)")
-    return PixelsRef(
-        shape=(size, 1), dtype="float32", shm=shm, data=data, media=MediaRef(fmt, size, bounds[0], bounds[1], url)
-    )
+    ref = MediaRef(fmt, size, bounds[0], bounds[1], url, *_video_sampling(i, m, fmt))
+    return PixelsRef(shape=(size, 1), dtype="float32", shm=shm, data=data, media=ref)
+
+
+def _video_sampling(i: int, m: dict, fmt: str) -> tuple[float, int, int]:
+    """A video's fps, min_frames and max_frames (0 where the map gives none)."""
+    keys = [k for k in ("fps", "min_frames", "max_frames") if m.get(k) is not None]
+    if fmt not in VIDEO_FORMATS:
+        if keys:
+            raise ProtocolError(f"item {i}: media.{keys[0]} is for a video")
+        return 0.0, 0, 0
+    fps = m.get("fps")
+    if fps is not None and not (type(fps) in (int, float) and 0 < fps <= MAX_MEDIA_FPS):
+        raise ProtocolError(f"item {i}: media.fps must be a number above 0, at most {MAX_MEDIA_FPS:g}")
+    frames = []
+    for key in ("min_frames", "max_frames"):
+        v = m.get(key)
+        if v is not None and not (is_int(v) and 1 <= v <= MAX_MEDIA_FRAMES):
+            raise ProtocolError(f"item {i}: media.{key} must be an integer in 1..{MAX_MEDIA_FRAMES}")
+        frames.append(v or 0)
+    return float(fps or 0.0), frames[0], frames[1]
 
 
 def check_item_against_tower(i: int, item: EncodeItem, patch_dim: int, merge: int) -> int:

@@ -6,7 +6,7 @@ import time
 from collections import Counter
 from typing import NamedTuple
 
-from ipc import fetch, hashing, wire
+from ipc import fetch, hashing, media_video, wire
 from ipc.arena import Arena, ArenaFull, Lease
 from ipc.fetch import AllowList
 from ipc.rooms import RoomState, RoomTable, TableFull
@@ -58,9 +58,11 @@ class IntakeStage(Stage):
                  max_pixel_bytes_per_request: int, max_live_rooms: int, trust_client_hash: bool = False,
                  custody=None, endpoint: str = "", max_frame: int = 0, journal=None,
                  content_key: bytes | None = None, image_pixels: tuple[int, int] = (56 * 56, 28 * 28 * 1280),
-                 image_backend: str = "pil", url_hosts: AllowList | None = None):
+                 image_backend: str = "pil", url_hosts: AllowList | None = None,
+                 video: tuple[int, int, float] = (128 * 28 * 28, 28 * 28 * 768, 2.0)):
         super().__init__(emit, custody)
         self.image_pixels = image_pixels  # compressed images' min_pixels and max_pixels where an item gives none
+        self.video = video  # compressed videos' min_pixels, max_pixels and fps where an item gives none
         self.image_backend = image_backend  # whose processor's pixels the preprocess stage makes of them
         self.url_hosts = url_hosts or AllowList()  # http(s) media.url hosts (media_url_hosts): none, none taken
         # Pixels are hashed under the run's secret key (the cache keys items by it): no peer can compute a key.
@@ -320,9 +322,14 @@ class IntakeStage(Stage):
         return hashes
 
     def _media(self, m: wire.MediaRef | None) -> tuple | None:
-        """A compressed image's WorkItem.media: its resize bounds made the worker's where it gives none."""
+        """A compressed item's WorkItem.media: its settings made the worker's where it gives none
+        (a video's min_frames and max_frames: vLLM's loader's, 4 and 768)."""
         if m is None:
             return None
+        if m.format in wire.VIDEO_FORMATS:
+            lo, hi, fps = self.video
+            return (m.format, m.size, m.min_pixels or lo, m.max_pixels or hi, m.fps or fps,
+                    m.min_frames or media_video.MIN_FRAMES, m.max_frames or media_video.MAX_FRAMES)
         return (m.format, m.size, m.min_pixels or self.image_pixels[0], m.max_pixels or self.image_pixels[1])
 
     def _read_item(self, it: wire.EncodeItem, taken: dict, lease: Lease | None) -> bytes | None:
@@ -333,8 +340,7 @@ class IntakeStage(Stage):
         # patches is the tower's, which the cache key names): a repeat skips the decode.
         kind = it.pixels.dtype
         if it.pixels.media is not None:
-            fmt, _, lo, hi = self._media(it.pixels.media)
-            kind = hashing.media_kind(fmt, lo, hi, self.image_backend)
+            kind = hashing.media_kind(self._media(it.pixels.media), self.image_backend)
         hasher = (None if self.trust_client_hash and it.hash is not None
                   else hashing.cache_hasher(self.content_key, it.modality, it.grid_thw, kind))
         view = self.pixel_arena.view(lease)
@@ -410,4 +416,6 @@ def build(env, settings: IntakeSettings, name, emit, custody) -> IntakeStage:
                        custody=custody, endpoint=s.endpoint, max_frame=max_frame, journal=env.journal,
                        content_key=cache_key(s.cache_key_file, s.shm_prefix, env.run_id),
                        image_pixels=(s.image_min_pixels, s.image_max_pixels), image_backend=s.image_backend,
-                       url_hosts=AllowList(s.media_url_hosts))
+                       url_hosts=AllowList(s.media_url_hosts),
+                       video=(*media_video.default_pixels(s.tower, s.video_min_pixels, s.video_max_pixels),
+                              s.video_fps))

@@ -1,4 +1,4 @@
-"""Preprocess: compressed images (protocol 1.2) decoded into the tower's patches.
+"""Preprocess: compressed images and videos (protocol 1.2) decoded into the tower's patches.
 
 A stage of its own, in its own process in the pipeline, because decoding runs native
 code on bytes a peer chose: a decoder that crashes or hangs takes this process alone,
@@ -20,10 +20,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from ipc import fetch, hashing, media
+from ipc import fetch, hashing, media, media_video
 from ipc.arena import Arena, ArenaFull, Lease, StaleLease
 from ipc.stats import ReasonCode
-from stages import registry
+from stages import progress, registry
 from stages.base import POLL_S, Stage
 from stages.embedding_cache import cache_key
 from stages.records import EncodeFailed, PreprocessDone, PreprocessRestarted, RoomFailure, WorkItem
@@ -39,7 +39,7 @@ MAX_FETCHES = 2 * fetch.FETCH_THREADS
 
 
 class PreprocessStage(Stage):
-    """Misses of compressed images from the cache in; their patches to the scheduler.
+    """Misses of compressed images and videos from the cache in; their patches to the scheduler.
 
     The cache looked the item up by the keyed hash of its bytes and settings first, so
     a repeated image is never decoded. Each item's patches take a lease of their own in
@@ -58,8 +58,9 @@ class PreprocessStage(Stage):
 
     def __init__(self, emit, *, pixel_arena: Arena, settings: media.ImageSettings, custody=None,
                  name: str = registry.PREPROCESS, urls: fetch.UrlSettings | None = None,
-                 content_key: bytes | None = None):
+                 content_key: bytes | None = None, video: media_video.VideoSettings | None = None):
         super().__init__(emit, custody)
+        self.video = video or media_video.VideoSettings()
         self.name = name
         self.worker = registry.worker_of(name)
         self.owner = registry.owner_of(name)
@@ -132,11 +133,11 @@ class PreprocessStage(Stage):
     def _hand_back(self, w: WorkItem, data: bytes, lease: Lease) -> None:
         """A fetched image to the cache as though intake had read it: its bytes and their keyed hash."""
         self.pixel_arena.view(lease)[:] = data
-        fmt, _size, lo, hi = w.media
+        media = (w.media[0], len(data), *w.media[2:])
         h = hashing.cache_hash(self.content_key, w.modality, w.grid_thw,
-                               hashing.media_kind(fmt, lo, hi, self.settings.backend), data)
+                               hashing.media_kind(media, self.settings.backend), data)
         self.outcomes["fetched"] += 1
-        self.emit(registry.CACHE, replace(w, pixels=lease, pixel_hash=h, url=None, media=(fmt, len(data), lo, hi)))
+        self.emit(registry.CACHE, replace(w, pixels=lease, pixel_hash=h, url=None, media=media))
         self.emit(registry.CACHE, PreprocessDone(self.worker))
         self.custody.release(w.slot, w.room)
 
@@ -152,8 +153,8 @@ class PreprocessStage(Stage):
         try:
             self.pixel_arena.transfer(w.pixels, registry.owner_of(source), self.owner)
         except StaleLease:
-            self.emit(registry.REAPER, RoomFailure(w.slot, w.room, f"the image's bytes were lost before decoding "
-                                                   f"({source} died)", ReasonCode.STAGE_DIED))
+            self.emit(registry.REAPER, RoomFailure(w.slot, w.room, f"the {w.modality}'s bytes were lost before "
+                                                   f"decoding ({source} died)", ReasonCode.STAGE_DIED))
             self.emit(registry.CACHE, PreprocessDone(self.worker))
             self.custody.release(w.slot, w.room)
             return
@@ -169,7 +170,7 @@ class PreprocessStage(Stage):
                 lease = None
             except ValueError:  # larger than the whole arena: it never fits
                 self.waiting.popleft()
-                self._fail(w, None, f"the image's patches ({w.n_patches * w.patch_dim * 4} bytes) are larger "
+                self._fail(w, None, f"the {w.modality}'s patches ({w.n_patches * w.patch_dim * 4} bytes) are larger "
                                     f"than the pixel arena ({self.pixel_arena.size} bytes)")
                 continue
             if lease is None:
@@ -178,25 +179,35 @@ class PreprocessStage(Stage):
             self._decode(w, lease)
 
     def _decode(self, w: WorkItem, lease: Lease) -> None:
-        fmt, _size, min_pixels, max_pixels = w.media
-        s = replace(self.settings, min_pixels=min_pixels, max_pixels=max_pixels)
+        fmt, _size, min_pixels, max_pixels, *sampling = w.media
         try:
             data = bytes(self.pixel_arena.view(w.pixels))
-            grid = media.image_grid(data, fmt, s)
+            if sampling:  # a video: fps, min_frames, max_frames
+                fps, min_frames, max_frames = sampling
+                s = replace(self.video, min_pixels=min_pixels, max_pixels=max_pixels, fps=fps,
+                            min_frames=min_frames, max_frames=max_frames)
+                grid = media_video.video_grid(data, fmt, s)
+            else:
+                s = replace(self.settings, min_pixels=min_pixels, max_pixels=max_pixels)
+                grid = media.image_grid(data, fmt, s)
             if (grid,) != tuple(tuple(g) for g in w.grid_thw):
                 raise media.MediaError(
-                    f"grid_thw {[list(g) for g in w.grid_thw]} is not the image's {list(grid)} (min_pixels "
-                    f"{min_pixels}, max_pixels {max_pixels}, patch {s.patch}, merge {s.merge})")
+                    f"grid_thw {[list(g) for g in w.grid_thw]} is not the {w.modality}'s {list(grid)} (min_pixels "
+                    f"{min_pixels}, max_pixels {max_pixels}, patch {s.patch}, merge {s.merge}"
+                    + (f", fps {sampling[0]:g}, frames {sampling[1]}..{sampling[2]})" if sampling else ")"))
             if w.patch_dim != s.patch_dim:
                 raise media.MediaError(f"the tower's patch_dim {w.patch_dim} is not 3 channels of "
                                        f"{s.temporal_patch} x {s.patch} x {s.patch}")
             out = np.frombuffer(self.pixel_arena.view(lease), dtype=np.float32).reshape(w.n_patches, w.patch_dim)
-            media.preprocess(data, fmt, s, out=out)
+            if sampling:  # each frame moves the heartbeat on: a long video is not a hung decoder
+                media_video.preprocess(data, fmt, s, out=out, progress=progress.report)
+            else:
+                media.preprocess(data, fmt, s, out=out)
         except media.MediaError as e:
             self._fail(w, lease, f"item {w.item}: {e}")
             return
         except StaleLease:
-            self._fail(w, lease, "the image's bytes were lost before decoding", ReasonCode.STAGE_DIED)
+            self._fail(w, lease, f"the {w.modality}'s bytes were lost before decoding", ReasonCode.STAGE_DIED)
             return
         self.outcomes["decoded"] += 1
         self._drop(w.pixels)
@@ -206,7 +217,7 @@ class PreprocessStage(Stage):
 
     def _fail(self, w: WorkItem, lease: Lease | None, reason: str, code: ReasonCode | None = None) -> None:
         self.outcomes["failed"] += 1
-        log.debug("image failed to preprocess: room=%d item=%d reason=%s", w.room, w.item, reason)
+        log.debug("item failed to preprocess: room=%d item=%d reason=%s", w.room, w.item, reason)
         self._drop(w.pixels)
         if lease is not None:
             self._drop(lease)
@@ -230,20 +241,34 @@ class PreprocessStage(Stage):
             self._drop(self.waiting.popleft().pixels)
 
 
-def image_settings(cfg: PreprocessSettings, spec) -> media.ImageSettings:
+def image_settings(s: PreprocessSettings, spec) -> media.ImageSettings:
     """The processor's settings for this tower: its patch geometry, the worker's resize
     bounds, and mean and std from the checkpoint's processor configuration when it has
     one (else the family's: Qwen3-VL's 0.5, Qwen2's CLIP values)."""
-    mean, std = (media.HALF, media.HALF) if cfg.tower == "qwen3-vl" else (media.CLIP_MEAN, media.CLIP_STD)
+    mean, std = (media.HALF, media.HALF) if s.tower == "qwen3-vl" else (media.CLIP_MEAN, media.CLIP_STD)
     rescale = media.RESCALE
-    pc = _processor_config(cfg.tower_config) if cfg.tower_config else None
+    pc = _processor_config(s.tower_config) if s.tower_config else None
     if pc:
         mean, std = tuple(pc.get("image_mean", mean)), tuple(pc.get("image_std", std))
         rescale = pc.get("rescale_factor", rescale)
     return media.ImageSettings(patch=spec.patch, merge=spec.merge, temporal_patch=spec.temporal_patch,
-                               min_pixels=cfg.image_min_pixels, max_pixels=cfg.image_max_pixels,
-                               mean=mean, std=std, rescale=rescale, max_decoded_pixels=cfg.max_decoded_pixels,
-                               backend=cfg.image_backend)
+                               min_pixels=s.image_min_pixels, max_pixels=s.image_max_pixels,
+                               mean=mean, std=std, rescale=rescale, max_decoded_pixels=s.max_decoded_pixels,
+                               backend=s.image_backend)
+
+
+def video_settings(s: PreprocessSettings, spec) -> media_video.VideoSettings:
+    """The video processor's settings for this tower: the image processor's patch
+    geometry, mean and std (Qwen's video processors share them), the worker's resize
+    bounds (else the tower's video processor's), fps and bounds, and whose loader and
+    processor (Qwen3-VL's sample and resize otherwise than Qwen2's)."""
+    im = image_settings(s, spec)
+    lo, hi = media_video.default_pixels(s.tower, s.video_min_pixels, s.video_max_pixels)
+    return media_video.VideoSettings(patch=im.patch, merge=im.merge, temporal_patch=im.temporal_patch,
+                                     min_pixels=lo, max_pixels=hi, mean=im.mean, std=im.std, rescale=im.rescale,
+                                     fps=s.video_fps, max_decoded_pixels=s.max_decoded_pixels,
+                                     max_stream_pixels=s.max_video_decoded_pixels,
+                                     family=media_video.family_of(s.tower))
 
 
 def _processor_config(path: str) -> dict | None:
@@ -268,5 +293,5 @@ def url_settings(s: PreprocessSettings) -> fetch.UrlSettings:
 def build(env, settings: PreprocessSettings, name, emit, custody) -> PreprocessStage:
     s = settings
     return PreprocessStage(emit, pixel_arena=env.shared.pixel_arena, settings=image_settings(s, env.spec),
-                           custody=custody, name=name, urls=url_settings(s),
+                           custody=custody, name=name, urls=url_settings(s), video=video_settings(s, env.spec),
                            content_key=cache_key(s.cache_key_file, s.shm_prefix, env.run_id))

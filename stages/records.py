@@ -13,7 +13,7 @@ tower replica (stages/registry.py), and a tower's records to the scheduler name 
 | RoomOpened | intake | sender, reaper | an accepted room: its slot, request id, each item's span, deadline |
 | WorkItem | intake | cache | one item: its pixels in the pixel arena, grid, dtype, span |
 | WorkItem | cache | scheduler | a miss (its cache key set), to be encoded |
-| WorkItem | cache | preprocess | a miss of a compressed image, to be decoded into patches |
+| WorkItem | cache | preprocess | a miss of a compressed image or video, to be decoded into patches |
 | WorkItem | cache | preprocess | an image at an http(s) URL (no key yet), to be fetched |
 | WorkItem | preprocess | cache | a fetched image: its bytes in the pixel arena and their keyed hash (`url` None), keyed and looked up as any compressed image |
 | WorkItem | preprocess | scheduler | the same, its patches now in the pixel arena (`media` None) |
@@ -104,9 +104,10 @@ class WorkItem:
     key: tuple | None = None  # cache key, once hashed
     out: Lease | None = None  # in the embedding arena, once the scheduler reserved it
     cache_salt: str = ""  # the request's cache_salt: other salts never share its cache entry or encode
-    # A compressed image (protocol 1.2): (format, bytes, min_pixels, max_pixels). Until the
-    # preprocess stage decodes it, `pixels` holds the file's bytes, and pixel_hash is the
-    # keyed hash of those bytes and the settings (so a repeated image skips the decode).
+    # A compressed image (protocol 1.2): (format, bytes, min_pixels, max_pixels); a video's
+    # adds (fps, min_frames, max_frames). Until the preprocess stage decodes it, `pixels`
+    # holds the file's bytes, and pixel_hash is the keyed hash of those bytes and the
+    # settings (so a repeated image or video skips the decode).
     media: tuple | None = None
     # An http(s) URL the preprocess stage fetches the image's bytes from (protocol 1.2):
     # until then `pixels` and `pixel_hash` are None, and the item has no cache key.

@@ -31,6 +31,10 @@ class IntakeSettings:
     image_max_pixels: int
     image_backend: str
     media_url_hosts: str  # the http(s) hosts a media.url may name ('' for none: URLs refused)
+    tower: str  # whose video processor's resize bounds apply where video_*_pixels are 0
+    video_min_pixels: int
+    video_max_pixels: int
+    video_fps: float
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,10 @@ class PreprocessSettings:
     media_url_hosts: str
     media_url_max_bytes: int
     media_url_timeout_s: float
+    video_min_pixels: int
+    video_max_pixels: int
+    video_fps: float
+    max_video_decoded_pixels: int
 
 
 @dataclass(frozen=True)

@@ -136,7 +136,8 @@ class WorkerConfig:
                                         "which transformers gives vLLM where torchvision is installed; the "
                                         "preprocess stage then loads torch)")
     max_decoded_pixels: int = setting(64 << 20, "compressed images: an image larger than this many pixels as "
-                                                "decoded fails its room, from its header, before any decode")
+                                                "decoded fails its room, from its header, before any decode "
+                                                "(for videos: each frame)")
     media_url_hosts: str = setting("", "compressed images: the hosts an item's media.url may name over http(s), "
                                        "separated by commas: names (matched exactly), IP addresses or networks "
                                        "(10.0.0.0/8); a name must resolve to global addresses only, unless they "
@@ -145,6 +146,16 @@ class WorkerConfig:
                                                       "its room")
     media_url_timeout_s: float = setting(10.0, "compressed images: a URL's fetch (resolve, connect, headers, "
                                                "body) not done by then fails its room")
+    video_min_pixels: int = setting(0, "compressed videos (protocol 1.2): the video processor's min_pixels where "
+                                       "an item gives none (its size.shortest_edge; Qwen3-VL's bounds all frames "
+                                       "together); 0: the tower's processor's default")
+    video_max_pixels: int = setting(0, "compressed videos: the video processor's max_pixels where an item gives "
+                                       "none (size.longest_edge); 0: the tower's processor's default")
+    video_fps: float = setting(2.0, "compressed videos: frames sampled per second where an item gives none "
+                                    "(vLLM's loader default; it samples at most 30)")
+    max_video_decoded_pixels: int = setting(1 << 34, "compressed videos: a video whose header gives frames "
+                                                     "of more pixels than this in all fails its room, before "
+                                                     "any decode (this bounds its decode time)")
     cache_key_file: str = setting("", "a file of the key pixels are hashed under for the cache (32 bytes, or 64 "
                                       "hex digits; not readable by every user), to share one key among "
                                       "workers; '' for a random key of each run")
@@ -300,6 +311,7 @@ class WorkerConfig:
             "max_tombstones", "max_live_rooms", "max_held_allocs", "status_hwm", "ring_bytes",
             "max_status_sockets", "max_receivers_per_key",
             "restart_limit", "image_min_pixels", "image_max_pixels", "max_decoded_pixels", "media_url_max_bytes",
+            "max_video_decoded_pixels",
         ]
         for name in positive:
             if getattr(self, name) < 1:
@@ -321,11 +333,12 @@ class WorkerConfig:
                               f"replica, tower_replicas), got {self.gpus!r}", "gpus")
         for name in ["bootstrap_timeout_s", "tombstone_ttl_s", "heartbeat_timeout_s",
                      "restart_window_s", "start_timeout_s", "stage_start_timeout_s", "status_socket_idle_s",
-                     "registration_idle_s", "media_url_timeout_s",
+                     "registration_idle_s", "media_url_timeout_s", "video_fps",
                      "max_deadline_s"]:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}", name)
-        for name in ["arena_cache_bytes", "host_cache_bytes", "drain_timeout_s"]:
+        for name in ["arena_cache_bytes", "host_cache_bytes", "drain_timeout_s", "video_min_pixels",
+                     "video_max_pixels"]:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}", name)
         if self.arena_cache_bytes > self.embedding_arena_bytes // 2:

@@ -22,7 +22,7 @@ _NP_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
 class Item:
     """One vision item. bfloat16 pixels are a uint16 array of their raw bits with dtype='bfloat16'.
 
-    A compressed image (protocol 1.2, `image_item`): `pixels` holds the file's bytes
+    A compressed image or video (protocol 1.2, `image_item`, `video_item`): `pixels` holds the file's bytes
     (uint8), `media` its format, and min_pixels/max_pixels the processor's bounds (0: the
     worker's); the worker decodes it. One at an http(s) URL (`url_item`): `url` instead of
     bytes (`pixels` empty), fetched by a worker that allows its host (media_url_hosts)."""
@@ -35,6 +35,9 @@ class Item:
     min_pixels: int = 0
     max_pixels: int = 0
     url: str | None = None
+    fps: float = 0.0  # a compressed video's sampling (`video_item`); 0: the worker's
+    min_frames: int = 0
+    max_frames: int = 0
 
     def dtype_name(self) -> str:
         if self.media is not None:
@@ -110,8 +113,9 @@ class Client:
         try:
             for it in items:
                 if it.media is not None:
-                    px = {"format": it.media, **{k: v for k, v in (("min_pixels", it.min_pixels),
-                                                                  ("max_pixels", it.max_pixels)) if v}}
+                    px = {"format": it.media, **{k: v for k, v in (
+                        ("min_pixels", it.min_pixels), ("max_pixels", it.max_pixels), ("fps", it.fps),
+                        ("min_frames", it.min_frames), ("max_frames", it.max_frames)) if v}}
                 else:
                     px = {"shape": list(it.pixels.shape), "dtype": it.dtype_name()}
                 if it.url is not None:
@@ -219,6 +223,26 @@ def url_item(url: str, fmt: str, grid_thw, *, min_pixels: int = 0, max_pixels: i
     `image_item` reads it from the file's header; a grid that is not fails the room."""
     return Item("image", [list(grid_thw)], np.zeros(0, dtype=np.uint8), media=fmt,
                 min_pixels=min_pixels, max_pixels=max_pixels, url=url)
+
+
+def video_item(data: bytes, fmt: str, *, min_pixels: int, max_pixels: int, fps: float = 2.0, min_frames: int = 4,
+               max_frames: int = 768, patch: int = 14, merge: int = 2, max_decoded_pixels: int = 64 << 20,
+               max_stream_pixels: int = 1 << 34, family: str = "qwen2") -> Item:
+    """A compressed video (mp4 or webm) as an item: its grid from the container's header
+    (OpenCV needed; no frame decoded but the one a seek to the stream's end reads). The
+    settings are sent with it, so they must be the model's processor's and loader's (vLLM's
+    defaults: 2 frames a second, 4 to 768 frames); patch, merge and family are the tower's
+    (family "qwen3" for Qwen3-VL, with patch 16). ipc.media.MediaError if the header cannot
+    be read or breaks a bound."""
+    from ipc import media_video
+
+    settings = media_video.VideoSettings(patch=patch, merge=merge, min_pixels=min_pixels, max_pixels=max_pixels,
+                                         fps=fps, min_frames=min_frames, max_frames=max_frames,
+                                         max_decoded_pixels=max_decoded_pixels, max_stream_pixels=max_stream_pixels,
+                                         family=family)
+    grid = media_video.video_grid(data, fmt, settings)
+    return Item("video", [list(grid)], np.frombuffer(data, dtype=np.uint8), media=fmt, min_pixels=min_pixels,
+                max_pixels=max_pixels, fps=float(fps), min_frames=min_frames, max_frames=max_frames)
 
 
 def routing_key(items: list[Item]) -> int:

@@ -19,7 +19,9 @@ def intake_settings(cfg: WorkerConfig) -> IntakeSettings:
                           max_pixel_bytes_per_request=cfg.max_pixel_bytes_per_request,
                           max_live_rooms=cfg.max_live_rooms, trust_client_hash=cfg.trust_client_hash,
                           image_min_pixels=cfg.image_min_pixels, image_max_pixels=cfg.image_max_pixels,
-                          image_backend=cfg.image_backend, media_url_hosts=cfg.media_url_hosts)
+                          image_backend=cfg.image_backend, media_url_hosts=cfg.media_url_hosts, tower=cfg.tower,
+                          video_min_pixels=cfg.video_min_pixels, video_max_pixels=cfg.video_max_pixels,
+                          video_fps=cfg.video_fps)
 
 
 def store_settings(cfg: WorkerConfig) -> StoreSettings | None:
@@ -43,7 +45,9 @@ def preprocess_settings(cfg: WorkerConfig) -> PreprocessSettings:
                               max_decoded_pixels=cfg.max_decoded_pixels, image_backend=cfg.image_backend,
                               shm_prefix=cfg.shm_prefix, cache_key_file=cfg.cache_key_file,
                               media_url_hosts=cfg.media_url_hosts, media_url_max_bytes=cfg.media_url_max_bytes,
-                              media_url_timeout_s=cfg.media_url_timeout_s)
+                              media_url_timeout_s=cfg.media_url_timeout_s, video_min_pixels=cfg.video_min_pixels,
+                              video_max_pixels=cfg.video_max_pixels, video_fps=cfg.video_fps,
+                              max_video_decoded_pixels=cfg.max_video_decoded_pixels)
 
 
 def scheduler_settings(cfg: WorkerConfig) -> SchedulerSettings:

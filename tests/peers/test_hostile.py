@@ -8,6 +8,8 @@ for bit; no stage dies.
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
 import itertools
 import os
 import time
@@ -227,6 +229,20 @@ class IntakeCtx:
         it["pixels"] = {"shm": name, "shape": [16, PATCH_DIM], "dtype": "float32"}
         return it
 
+    def video(self, data: bytes | None = None, **media) -> dict:
+        """A compressed video item (1.2) claiming grid [1, 4, 4]: `data` (by default a
+        short mp4 whose grid is another) with `media` over its map."""
+        if data is None:
+            data = _short_mp4()
+        return {"modality": "video", "grid_thw": [[1, 4, 4]], "media": {"format": "mp4", "data": data, **media}}
+
+
+@functools.cache
+def _short_mp4() -> bytes:
+    from tests.ipc.test_media_video import make_video
+
+    return make_video()
+
 
 def _foreign_segment(c: IntakeCtx) -> str:
     name = c.segment()
@@ -392,7 +408,42 @@ INTAKE_CASES = [
     ("segment is a symlink", ("fail", "cannot be opened"), lambda c, r: c.msg(r, items=[c.seg_item(_symlink_segment(c))])),
     ("segment is a fifo", ("fail", "not a regular segment"), lambda c, r: c.msg(r, items=[c.seg_item(_fifo_segment(c))])),
     ("segment is a directory", ("fail", "not a regular segment"), lambda c, r: c.msg(r, items=[c.seg_item(_dir_segment(c))])),
+    # (1.2) Compressed videos: a bad one fails its own room, from the wire or the preprocess stage.
+    ("video truncated", ("fail", "does not open"), lambda c, r: c.msg(r, items=[c.video(_short_mp4()[:400])])),
+    ("video of another format", ("fail", "not an mp4 file"), lambda c, r: c.msg(r, items=[c.video(b"\x89PNG" + bytes(60))])),
+    ("video not its grid", ("fail", "is not the video's"), lambda c, r: c.msg(r, items=[c.video()])),
+    ("video claiming huge frames", ("fail", "max_decoded_pixels"),
+     lambda c, r: c.msg(r, items=[c.video(_claiming_huge_frames(), format="webm")])),
+    ("video claiming many frames", ("fail", "max_stream_pixels"),
+     lambda c, r: c.msg(r, items=[c.video(_claiming_many_frames())])),
+    ("video fps zero", ("fail", "media.fps"), lambda c, r: c.msg(r, items=[c.video(fps=0)])),
+    ("video fps as string", ("fail", "media.fps"), lambda c, r: c.msg(r, items=[c.video(fps="2")])),
+    ("video fps infinite", ("fail", "media.fps"), lambda c, r: c.msg(r, items=[c.video(fps=float("inf"))])),
+    ("video max_frames beyond 768", ("fail", "media.max_frames"), lambda c, r: c.msg(r, items=[c.video(max_frames=769)])),
+    ("video as an image", ("fail", "is not image"), lambda c, r: c.msg(r, items=[{**c.video(), "modality": "image"}])),
+    ("video with an image format", ("fail", "is not video"), lambda c, r: c.msg(r, items=[c.video(format="png")])),
+    ("video sampling on an image", ("fail", "is for a video"),
+     lambda c, r: c.msg(r, items=[{"modality": "image", "grid_thw": [[1, 4, 4]],
+                                   "media": {"format": "png", "data": b"x", "min_frames": 4}}])),
+    ("video url of another type", ("fail", "media.url must be"),
+     lambda c, r: c.msg(r, items=[{**c.video(), "media": {"url": "data:video/avi;base64,AAAA"}}])),
+    ("video with two grids", ("fail", "one [t, h, w]"),
+     lambda c, r: c.msg(r, items=[{**c.video(), "grid_thw": [[1, 2, 2], [1, 2, 2]]}])),
 ]
+if importlib.util.find_spec("cv2") is None:  # the worker's extra, not every checkout's: set up again
+    INTAKE_CASES = [c for c in INTAKE_CASES if not c[0].startswith("video")]
+
+
+def _claiming_huge_frames() -> bytes:
+    from tests.ipc.test_media_video import claiming_huge_frames
+
+    return claiming_huge_frames()
+
+
+def _claiming_many_frames() -> bytes:
+    from tests.ipc.test_media_video import claiming_many_frames
+
+    return claiming_many_frames()
 if os.geteuid() != 0:  # only root can give a file away
     INTAKE_CASES = [c for c in INTAKE_CASES if c[0] != "segment of another user"]
 
