@@ -204,7 +204,8 @@ def test_the_preprocess_stage_fetches_a_few_at_a_time_and_hands_back_keyed_bytes
             assert time.monotonic() < end, stage.stats()
             stage.tick(time.monotonic())
             time.sleep(0.01)
-        want = hashing.cache_hash(key, "image", (tuple(grid),), hashing.media_kind((fmt, len(png), *bounds), SETTINGS.backend), png)
+        kind = hashing.media_kind((fmt, len(png), *bounds), SETTINGS.backend)
+        want = hashing.cache_hash(key, "image", (tuple(grid),), kind, png)
         for r in back:
             assert r.url is None and r.pixel_hash == want and r.media == (fmt, len(png), *bounds)
             assert bytes(arena.view(r.pixels)) == png
