@@ -305,20 +305,7 @@ class WorkerConfig:
             shm.check_prefix(self.shm_prefix)
         except ValueError as e:
             raise ConfigError(f"shm_prefix: {e}", "shm_prefix") from None
-        positive = [
-            "max_items_per_request", "max_pixel_bytes_per_request", "max_tokens_per_batch",
-            "max_items_per_batch", "pixel_arena_bytes", "embedding_arena_bytes",
-            "max_tombstones", "max_live_rooms", "max_held_allocs", "status_hwm", "ring_bytes",
-            "max_status_sockets", "max_receivers_per_key",
-            "restart_limit", "image_min_pixels", "image_max_pixels", "max_decoded_pixels", "media_url_max_bytes",
-            "max_video_decoded_pixels",
-        ]
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}", name)
-        for s in TOWER_SETTINGS.values():
-            if s.minimum is not None and getattr(self, s.key) < s.minimum:
-                raise ConfigError(f"{s.key} must be >= {s.minimum}, got {getattr(self, s.key)}", s.key)
+        self._check_numbers()
         if self.tower_threads < 0:
             raise ConfigError(f"tower_threads must be >= 0, got {self.tower_threads}", "tower_threads")
         if not 1 <= self.tower_replicas <= registry.MAX_TOWER_REPLICAS:
@@ -331,16 +318,6 @@ class WorkerConfig:
         if not all(g.isdigit() for g in gpus) or len(gpus) != self.tower_replicas:
             raise ConfigError(f"gpus must list {self.tower_replicas} CUDA device numbers (one per tower "
                               f"replica, tower_replicas), got {self.gpus!r}", "gpus")
-        for name in ["bootstrap_timeout_s", "tombstone_ttl_s", "heartbeat_timeout_s",
-                     "restart_window_s", "start_timeout_s", "stage_start_timeout_s", "status_socket_idle_s",
-                     "registration_idle_s", "media_url_timeout_s", "video_fps",
-                     "max_deadline_s"]:
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}", name)
-        for name in ["arena_cache_bytes", "host_cache_bytes", "drain_timeout_s", "video_min_pixels",
-                     "video_max_pixels"]:
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}", name)
         if self.arena_cache_bytes > self.embedding_arena_bytes // 2:
             raise ConfigError(
                 f"arena_cache_bytes ({self.arena_cache_bytes}) must leave at least half of "
@@ -381,6 +358,33 @@ class WorkerConfig:
         self._validate_shared_cache()
         self._check_media_url_hosts()
         return self
+
+    def _check_numbers(self) -> None:
+        """Counts and sizes at least 1, durations above 0, the rest not negative."""
+        positive = [
+            "max_items_per_request", "max_pixel_bytes_per_request", "max_tokens_per_batch",
+            "max_items_per_batch", "pixel_arena_bytes", "embedding_arena_bytes",
+            "max_tombstones", "max_live_rooms", "max_held_allocs", "status_hwm", "ring_bytes",
+            "max_status_sockets", "max_receivers_per_key",
+            "restart_limit", "image_min_pixels", "image_max_pixels", "max_decoded_pixels", "media_url_max_bytes",
+            "max_video_decoded_pixels",
+        ]
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}", name)
+        for s in TOWER_SETTINGS.values():
+            if s.minimum is not None and getattr(self, s.key) < s.minimum:
+                raise ConfigError(f"{s.key} must be >= {s.minimum}, got {getattr(self, s.key)}", s.key)
+        for name in ["bootstrap_timeout_s", "tombstone_ttl_s", "heartbeat_timeout_s",
+                     "restart_window_s", "start_timeout_s", "stage_start_timeout_s", "status_socket_idle_s",
+                     "registration_idle_s", "media_url_timeout_s", "video_fps",
+                     "max_deadline_s"]:
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}", name)
+        for name in ["arena_cache_bytes", "host_cache_bytes", "drain_timeout_s", "video_min_pixels",
+                     "video_max_pixels"]:
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}", name)
 
     def _validate_shared_cache(self) -> None:
         if self.cache_key_file:
