@@ -55,19 +55,21 @@ def test_a_client_unlinks_what_the_worker_never_took(shm_prefix, tmp_path, monke
     the rest. A passed deadline does not: the worker counts it from its reading of the
     message, which may still be queued."""
     c = Client(f"ipc://{tmp_path}/nobody.sock", shm_prefix)
-    px = np.zeros((4, 1176), np.float32)
-    c.message(1, "r1", [Item("image", [[1, 2, 2]], px), Item("image", [[1, 2, 2]], px + 1)])
-    sent = time.monotonic()
-    c.message(2, "r2", [Item("image", [[1, 2, 2]], px)], deadline_ms=1)
-    assert len(pixel_segments(shm_prefix)) == 3
-    c.conclude(1)
-    assert len(pixel_segments(shm_prefix)) == 1
-    while time.monotonic() < sent + 0.002:  # room 2's deadline passes
-        time.sleep(0.001)
-    c.message(3, "r3", [Item("image", [[1, 2, 2]], px)])
-    assert len(pixel_segments(shm_prefix)) == 2 and 2 in c.segments
-    monkeypatch.setattr(client_module, "SEGMENT_KEEP_S", 0.0)
-    c.message(4, "r4", [Item("image", [[1, 2, 2]], px)])  # rooms 2 and 3 kept as long as they may be
-    assert len(pixel_segments(shm_prefix)) == 1 and list(c.segments) == [4]
-    c.close(abandon=True)
+    try:
+        px = np.zeros((4, 1176), np.float32)
+        c.message(1, "r1", [Item("image", [[1, 2, 2]], px), Item("image", [[1, 2, 2]], px + 1)])
+        sent = time.monotonic()
+        c.message(2, "r2", [Item("image", [[1, 2, 2]], px)], deadline_ms=1)
+        assert len(pixel_segments(shm_prefix)) == 3
+        c.conclude(1)
+        assert len(pixel_segments(shm_prefix)) == 1
+        while time.monotonic() < sent + 0.002:  # room 2's deadline passes
+            time.sleep(0.001)
+        c.message(3, "r3", [Item("image", [[1, 2, 2]], px)])
+        assert len(pixel_segments(shm_prefix)) == 2 and 2 in c.segments
+        monkeypatch.setattr(client_module, "SEGMENT_KEEP_S", 0.0)
+        c.message(4, "r4", [Item("image", [[1, 2, 2]], px)])  # rooms 2 and 3 kept as long as they may be
+        assert len(pixel_segments(shm_prefix)) == 1 and list(c.segments) == [4]
+    finally:  # a failed check leaves none behind either
+        c.close(abandon=True)
     assert not pixel_segments(shm_prefix)
