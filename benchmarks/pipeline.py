@@ -114,8 +114,9 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+# First, whatever PYTHONPATH says: this file's own folder (sys.path[0]) would otherwise
+# make `pipeline` this script rather than the package.
+sys.path.insert(0, ROOT)
 
 from benchmarks.harness.baselines import FRESH_ENCODE_PATH, hops_on_fresh_path  # noqa: E402
 from benchmarks.harness.report import judge, write_json  # noqa: E402
