@@ -66,6 +66,22 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = 1
 
 
+@pytest.fixture(params=["inprocess", "pipeline"])
+def mode(request):
+    """Each of the worker's two modes, for a test that runs in both."""
+    return request.param
+
+
+@pytest.fixture
+def made():
+    """Call it with what a test starts: each is closed at the end, newest first, whatever
+    the test did."""
+    objs = []
+    yield objs.append
+    for obj in reversed(objs):
+        obj.close()
+
+
 @pytest.fixture
 def worker_rig(shm_prefix, tmp_path):
     """A factory of a worker (`mode`, its settings `sim_config`'s from `over`, its tower

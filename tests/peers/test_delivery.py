@@ -39,20 +39,6 @@ WIDE = dict(sim_hidden=3584, sim_deepstack_width=0, embedding_arena_bytes=48 << 
 BIG_GRID = (1, 64, 64)  # 1,024 rows of 7 KiB: more than loopback's socket buffers hold
 
 
-@pytest.fixture(params=["inprocess", "pipeline"])
-def mode(request):
-    return request.param
-
-
-@pytest.fixture
-def made():
-    """What a test starts, closed in reverse order whatever the test did."""
-    objs = []
-    yield objs.append
-    for obj in reversed(objs):
-        obj.close()
-
-
 def started(made, obj):
     made(obj)
     return obj

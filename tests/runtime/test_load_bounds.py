@@ -57,11 +57,6 @@ FLOOD = dict(max_pixel_bytes_per_request=FLOOD_MAX_PIXEL_BYTES, embedding_arena_
 SLACK_BYTES = 96 << 20  # the interpreter's own growth while it serves (allocator pools, imports)
 
 
-@pytest.fixture(params=["inprocess", "pipeline"])
-def mode(request):
-    return request.param
-
-
 def restarts(w) -> int:
     return sum(w.stats().get("restarts", {}).values()) if w.mode == "pipeline" else 0
 

@@ -27,11 +27,6 @@ pytestmark = pytest.mark.timeout(180)
 _rooms = itertools.count(370_000)
 
 
-@pytest.fixture(params=["inprocess", "pipeline"])
-def mode(request):
-    return request.param
-
-
 def images(*names):
     """Each image's bytes, format and grid (what a gateway reads from its header)."""
     out = {}
@@ -74,14 +69,6 @@ class _Routes(dict):
         if path in self.site.files:
             return lambda h: reply(h, 200, self.site.files[path])
         return super().get(path, default)
-
-
-@pytest.fixture
-def made():
-    objs = []
-    yield objs.append
-    for obj in reversed(objs):
-        obj.close()
 
 
 def setup(mode, shm_prefix, tmp_path, made, files: dict, **cfg):

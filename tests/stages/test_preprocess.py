@@ -28,19 +28,6 @@ BOUNDS = dict(image_min_pixels=28 * 28, image_max_pixels=112 * 112, max_decoded_
 SETTINGS = media.ImageSettings(min_pixels=BOUNDS["image_min_pixels"], max_pixels=BOUNDS["image_max_pixels"])
 
 
-@pytest.fixture(params=["inprocess", "pipeline"])
-def mode(request):
-    return request.param
-
-
-@pytest.fixture
-def made():
-    objs = []
-    yield objs.append
-    for obj in reversed(objs):
-        obj.close()
-
-
 def started(made, obj):
     made(obj)
     return obj

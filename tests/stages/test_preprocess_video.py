@@ -30,19 +30,6 @@ SETTINGS = mv.VideoSettings(min_pixels=BOUNDS["video_min_pixels"], max_pixels=BO
                             fps=BOUNDS["video_fps"])
 
 
-@pytest.fixture(params=["inprocess", "pipeline"])
-def mode(request):
-    return request.param
-
-
-@pytest.fixture
-def made():
-    objs = []
-    yield objs.append
-    for obj in reversed(objs):
-        obj.close()
-
-
 def raw_video_room(client, rx, grid, media_map: dict, modality: str = "video") -> int:
     """A room whose one item is `media_map`, sent as is (what a hostile gateway can send)."""
     room = next(_rooms)

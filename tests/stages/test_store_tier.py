@@ -36,11 +36,6 @@ pytestmark = pytest.mark.timeout(180)
 _rooms = itertools.count(1)
 
 
-@pytest.fixture(params=["inprocess", "pipeline"])
-def mode(request):
-    return request.param
-
-
 @pytest.fixture
 def master(tmp_path):
     m = StoreMaster(str(tmp_path / "master.log"))
