@@ -28,7 +28,11 @@ def test_dense_chaos_every_room_concludes(shm_prefix, tmp_path):
     assert res["serving_at_end"], (seed, summary)
     # the chaos happened, densely, to stages that held rooms, and the load with it
     assert res["kills"] >= 20, (seed, res["kill_log"])
-    assert res["median_rooms_held_at_kill"] >= 1, (seed, res["rooms_held_at_kill"])
+    # Counted, not a median: while a SIGSTOPped stage's replacement is awaited nothing
+    # moves and no stage holds a room, so on a loaded machine kills in such a stretch
+    # can be half of them; those kills are still chaos, but they test no custody.
+    kills_holding = sum(n for held, n in res["rooms_held_at_kill"].items() if held >= 1)
+    assert kills_holding >= 10, (seed, res["rooms_held_at_kill"])
     assert res["restarts"] >= 10, (seed, res["restarts_by_stage"])
     assert res["rooms_submitted"] >= 200, (seed, summary)
     assert res["rooms_succeeded"] >= res["rooms_submitted"] // 2, (seed, summary)
