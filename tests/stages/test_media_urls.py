@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import itertools
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from ipc import media
-from pipeline.peers.client import Client, image_item, url_item
+from pipeline.peers.client import Client, image_item, url_item, video_item
 from pipeline.peers.receiver import Receiver
 from tests.helpers import sim_config, start_worker
 from tests.ipc.test_fetch import http_server, reply
@@ -221,3 +222,25 @@ def test_urls_with_two_preprocess_workers(shm_prefix, tmp_path, made):
     stats = w.stats()
     assert stats["preprocess_items"].get("fetched") == 2 * len(imgs), stats["preprocess_items"]
     assert stats["preprocess_items"].get("decoded") == len(imgs), stats["preprocess_items"]
+
+
+def test_a_video_at_a_url_is_the_inline_ones_and_shares_its_entry(mode, shm_prefix, tmp_path, made):
+    """A video fetched by URL is keyed by the same recipe as its inline bytes (its frame
+    settings with them), so it is a hit on the inline one's entry, with the same rows."""
+    pytest.importorskip("cv2")
+    pytest.importorskip("torch")
+    from tests.ipc.test_media_video import make_video
+    from tests.stages.test_preprocess_video import BOUNDS as VIDEO_BOUNDS
+    from tests.stages.test_preprocess_video import SETTINGS as VIDEO
+
+    data = make_video("mp4", "mp4v", 20, 64, 48, 10.0)
+    site, w, client, rx = setup(mode, shm_prefix, tmp_path, made, {"/v.mp4": data}, **VIDEO_BOUNDS)
+    it = video_item(data, "mp4", min_pixels=VIDEO.min_pixels, max_pixels=VIDEO.max_pixels, fps=VIDEO.fps)
+    inline = send(client, rx, it)
+    assert rx.wait({inline: 1}, 60), "the inline video's room never concluded"
+    at_url = send(client, rx, replace(it, pixels=np.zeros(0, dtype=np.uint8), url=site.url("/v.mp4")))
+    assert rx.wait({at_url: 1}, 60), "the URL's room never concluded"
+    assert inline not in rx.failed and at_url not in rx.failed, rx.failed
+    assert same_rows(rx, inline, at_url)
+    items = w.stats()["preprocess_items"]
+    assert items.get("decoded") == 1 and items.get("fetched") == 1, items
