@@ -68,22 +68,6 @@ class ImageSettings:
     def patch_dim(self) -> int:
         return 3 * self.temporal_patch * self.patch * self.patch
 
-    def key(self) -> bytes:
-        """What of the settings changes the pixels, for the cache key of compressed bytes."""
-        return repr(
-            (
-                self.patch,
-                self.merge,
-                self.temporal_patch,
-                self.min_pixels,
-                self.max_pixels,
-                self.mean,
-                self.std,
-                self.rescale,
-                self.backend,
-            )
-        ).encode()
-
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Qwen's smart resize (transformers' qwen2_vl smart_resize, the same arithmetic)."""

@@ -84,25 +84,6 @@ class VideoSettings:
     def patch_dim(self) -> int:
         return 3 * self.temporal_patch * self.patch * self.patch
 
-    def key(self) -> bytes:
-        """What of the settings changes the pixels, for the cache key of compressed bytes."""
-        return repr(
-            (
-                self.patch,
-                self.merge,
-                self.temporal_patch,
-                self.min_pixels,
-                self.max_pixels,
-                self.mean,
-                self.std,
-                self.rescale,
-                self.fps,
-                self.min_frames,
-                self.max_frames,
-                self.family,
-            )
-        ).encode()
-
 
 @dataclass(frozen=True)
 class Header:

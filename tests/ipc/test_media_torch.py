@@ -53,6 +53,7 @@ def test_pixels_equal_the_torchvision_backend():
 
 
 def test_the_backend_is_in_the_cache_key():
-    from ipc import media
+    from ipc import hashing
 
-    assert media.ImageSettings().key() != media.ImageSettings(backend="torchvision").key()
+    image = ("jpeg", 0, 56 * 56, 28 * 28 * 1280)
+    assert hashing.media_kind(image, "pil") != hashing.media_kind(image, "torchvision")
